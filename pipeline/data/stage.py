@@ -1,0 +1,30 @@
+"""Stage 1: the prompt set, split into training prompts and held-out evaluation prompts."""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+
+from pipeline.context import Context, save_dataset_atomic
+from pipeline.data.prompts import load_prompts, split_prompts
+
+log = logging.getLogger(__name__)
+
+
+def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
+    folder = ctx.paths.prompts
+    if not (folder / "train").is_dir() or not (folder / "held_out").is_dir():
+        train, held_out = split_prompts(load_prompts(ctx.cfg.data), ctx.cfg.data)
+        save_dataset_atomic(train, folder / "train")
+        save_dataset_atomic(held_out, folder / "held_out")
+    train = datasets.load_from_disk(str(folder / "train"))
+    held_out = datasets.load_from_disk(str(folder / "held_out"))
+    log.info("prompts: %d train, %d held out (%s)", len(train), len(held_out), folder)
+    ctx.log_metrics({"prompts.train": len(train), "prompts.held_out": len(held_out)})
+    ctx.set_tags({"prompts.key": ctx.paths.prompts_key, "prompts.source": ctx.cfg.data.source})
+    return train, held_out
+
+
+def load_held_out(ctx: Context) -> datasets.Dataset:
+    return run(ctx)[1]

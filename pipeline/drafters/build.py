@@ -1,0 +1,85 @@
+"""Build a drafter for a verifier: its spec from config + the verifier's HF config, and its frozen tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+
+from pipeline.drafters.common import DrafterSpec
+from pipeline.errors import PipelineError
+
+
+def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
+    """EAGLE-3's default: an early, a middle and a late layer (id i = hidden state after i layers)."""
+    n = num_verifier_layers
+    return [2, n // 2, n - 3]
+
+
+def _layer_config_dict(verifier_config: Any) -> dict[str, Any]:
+    keep = (
+        "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings", "vocab_size",
+        "attention_bias", "mlp_bias", "hidden_act", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+        "pad_token_id",
+    )
+    values = verifier_config.to_dict()
+    return {key: values[key] for key in keep if key in values and values[key] is not None}
+
+
+def make_spec(
+    drafter_cfg: Any, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
+) -> DrafterSpec:
+    num_layers = int(verifier_config.num_hidden_layers)
+    aux = list(drafter_cfg.aux_layer_ids) if drafter_cfg.aux_layer_ids else default_aux_layer_ids(num_layers)
+    for layer_id in aux:
+        if not 0 <= layer_id <= num_layers:
+            raise PipelineError(f"drafter.aux_layer_ids: {layer_id} is outside 0..{num_layers} for this verifier")
+    mask_token_id = drafter_cfg.mask_token_id if drafter_cfg.mask_token_id is not None else default_mask_token_id
+    return DrafterSpec(
+        algorithm=drafter_cfg.name,
+        verifier_name=verifier_name,
+        verifier_path=verifier_path,
+        transformer_layer_config=_layer_config_dict(verifier_config),
+        aux_layer_ids=aux,
+        num_speculative_tokens=int(drafter_cfg.num_speculative_tokens),
+        mask_token_id=int(mask_token_id),
+        num_layers=int(drafter_cfg.num_layers),
+        norm_before_residual=bool(drafter_cfg.norm_before_residual),
+    )
+
+
+def default_mask_token_id(tokenizer: Any) -> int:
+    """A token that never appears in chat data: unk if the tokenizer has one, else pad."""
+    for candidate in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise PipelineError("drafter.mask_token_id: the verifier's tokenizer has no unk/pad/eos token; set it")
+
+
+def verifier_head_tensors(verifier_path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [V, H], lm_head [V, H]) read from the verifier's safetensors without loading the model."""
+    found: dict[str, torch.Tensor] = {}
+    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
+    files = sorted(Path(verifier_path).glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"verifier.path: no safetensors weights in '{verifier_path}'")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key in wanted:
+                    found[wanted[key]] = handle.get_tensor(key).float()
+    if "embed" not in found:
+        raise PipelineError(f"verifier.path: '{verifier_path}' has no model.embed_tokens.weight")
+    return found["embed"], found.get("lm_head", found["embed"])  # tied embeddings share one tensor
+
+
+def build_drafter(spec: DrafterSpec, verifier_tensors: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+    from pipeline.drafters import drafter_class
+
+    model = drafter_class(spec.algorithm)(spec)
+    embed, lm_head = verifier_tensors or verifier_head_tensors(spec.verifier_path)
+    model.load_verifier_tensors(embed, lm_head)
+    return model

@@ -1,0 +1,3 @@
+from pipeline.drafters.peagle.model import PEagleDrafter
+
+__all__ = ["PEagleDrafter"]

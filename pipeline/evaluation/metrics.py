@@ -1,0 +1,79 @@
+"""The one metric spec (DESIGN.md), shared by training, offline evaluation and serving.
+
+A verify step proposes K drafts; `accepted` is how many leading drafts the verifier kept (0..K).
+Pooled tau = 1 + sum(accepted) / steps (vLLM's definition: the bonus token counts).
+Per-request tau = mean over requests of each request's tau. Conditional alpha_k = P(draft k accepted | drafts
+1..k-1 accepted); cumulative a_k = P(drafts 1..k accepted). Functions return raw counts where they can, so
+callers reduce across ranks or requests before dividing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceCounts:
+    """Raw counts over verify steps; add them up across requests/ranks, then derive rates."""
+
+    num_drafts: int
+    steps: int = 0
+    accepted_tokens: int = 0
+    # reached[k] = steps whose draft k+1 was proposed and drafts 1..k were accepted; accepted_at[k] = ... and k+1 too.
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reached = self.reached or [0] * self.num_drafts
+        self.accepted_at = self.accepted_at or [0] * self.num_drafts
+
+    def add_step(self, accepted: int, proposed: int | None = None) -> None:
+        proposed = self.num_drafts if proposed is None else proposed
+        if not 0 <= accepted <= proposed <= self.num_drafts:
+            raise ValueError(f"accepted={accepted}, proposed={proposed} with K={self.num_drafts}")
+        self.steps += 1
+        self.accepted_tokens += accepted
+        for k in range(min(accepted + 1, proposed)):
+            self.reached[k] += 1
+        for k in range(accepted):
+            self.accepted_at[k] += 1
+
+    def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        merged = AcceptanceCounts(self.num_drafts, self.steps + other.steps,
+                                  self.accepted_tokens + other.accepted_tokens)
+        merged.reached = [a + b for a, b in zip(self.reached, other.reached)]
+        merged.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        return merged
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    @property
+    def cumulative_acceptance(self) -> list[float]:
+        return [a / self.steps if self.steps else 0.0 for a in self.accepted_at]
+
+
+def pooled_tau(per_request: list[AcceptanceCounts]) -> float:
+    total = per_request[0]
+    for counts in per_request[1:]:
+        total = total.merge(counts)
+    return total.tau
+
+
+def per_request_tau(per_request: list[AcceptanceCounts]) -> float:
+    taus = [c.tau for c in per_request if c.steps]
+    return sum(taus) / len(taus) if taus else 0.0
+
+
+def expected_tau(conditional: list[float]) -> float:
+    """Expected tau from conditional acceptance rates: 1 + sum_k prod_{j<=k} alpha_j."""
+    tau, survive = 1.0, 1.0
+    for alpha in conditional:
+        survive *= alpha
+        tau += survive
+    return tau

@@ -1,0 +1,65 @@
+"""A lossless greedy speculative decoder in plain PyTorch: the verifier (HF, KV cache) checks a chain of K drafts.
+
+At temperature 0 its output must equal ``verifier.generate(do_sample=False)`` token for token; acceptance is
+counted with the metric spec's :class:`AcceptanceCounts`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pipeline.evaluation.metrics import AcceptanceCounts
+
+
+class GreedySpeculativeDecoder:
+    def __init__(self, verifier: Any, drafter: Any, num_drafts: int):
+        self.verifier, self.drafter, self.num_drafts = verifier, drafter, num_drafts
+        self.aux_layer_ids = list(drafter.spec.aux_layer_ids)
+
+    def _verifier_step(self, input_ids: list[int], cache: Optional[Any]):
+        out = self.verifier(input_ids=torch.tensor([input_ids]), past_key_values=cache, use_cache=True,
+                            output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1).float()  # [N, A*H]
+        return out.logits[0].argmax(dim=-1).tolist(), features, out.past_key_values
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, eos_token_id: Optional[int]):
+        """(new tokens, AcceptanceCounts) for one prompt."""
+        greedy, features, cache = self._verifier_step(prompt, None)
+        tokens = list(prompt) + [greedy[-1]]  # the last token is always one the verifier has not processed yet
+        counts = AcceptanceCounts(self.num_drafts)
+        while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_token_id:
+            remaining = max_new_tokens - (len(tokens) - len(prompt))
+            proposed = min(self.num_drafts, remaining - 1)  # the bonus token always comes on top
+            drafts = self._draft(features, tokens, proposed)
+            greedy, new_features, cache = self._verifier_step([tokens[-1]] + drafts, cache)
+            accepted = 0
+            while accepted < proposed and drafts[accepted] == greedy[accepted]:
+                accepted += 1
+            if proposed:
+                counts.add_step(accepted, proposed)
+            # Keep the verifier's state for the last token and the accepted drafts; drop the rejected tail.
+            if proposed > accepted:
+                cache.crop(accepted - proposed)
+            features = torch.cat([features, new_features[: accepted + 1]])
+            tokens += drafts[:accepted] + [greedy[accepted]]
+        generated = tokens[len(prompt):][:max_new_tokens]
+        if eos_token_id in generated:
+            generated = generated[: generated.index(eos_token_id) + 1]
+        return generated, counts
+
+    def _draft(self, features: torch.Tensor, tokens: list[int], proposed: int) -> list[int]:
+        if proposed == 0:
+            return []
+        next_ids = torch.tensor([tokens[1:]])  # [1, T]: token t + 1 paired with the features at t
+        return self.drafter.draft(features[None], next_ids, proposed).tolist()
+
+
+@torch.no_grad()
+def verifier_greedy(verifier: Any, prompt: list[int], max_new_tokens: int, eos_token_id: Optional[int]) -> list[int]:
+    out = verifier.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                            pad_token_id=eos_token_id)
+    return out[0, len(prompt):].tolist()

