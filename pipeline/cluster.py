@@ -8,8 +8,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+_started_locally = False
+
 
 def ensure_ray(cluster_cfg: Any) -> None:
+    global _started_locally
     import ray
 
     if ray.is_initialized():
@@ -22,3 +25,14 @@ def ensure_ray(cluster_cfg: Any) -> None:
         return
     log.info("starting a local Ray")
     ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True)
+    _started_locally = True
+
+
+def shutdown_if_started_here() -> None:
+    """Stop the local Ray this process started; leave a cluster (or a caller's Ray) running."""
+    global _started_locally
+    import ray
+
+    if _started_locally and ray.is_initialized():
+        ray.shutdown()
+    _started_locally = False

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from pipeline.cluster import shutdown_if_started_here
 from pipeline.config import validate
 from pipeline.context import Context
 from pipeline.errors import PipelineError
@@ -114,12 +115,5 @@ def run_job(cfg: DictConfig, job: str) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
-        _shutdown_local_ray()
+        shutdown_if_started_here()
     return 0
-
-
-def _shutdown_local_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()

@@ -56,9 +56,8 @@ def tiny_verifier_path(tmp_path_factory, smollm2_path) -> str:
 def ray_local():
     import ray
 
-    from pipeline.cluster import ensure_ray
-
-    ensure_ray(SimpleNamespace(address=None, local_num_cpus=2))
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False)
     yield ray
     ray.shutdown()
 

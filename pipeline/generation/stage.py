@@ -49,13 +49,14 @@ def run_regenerate(ctx: Context, train_prompts: datasets.Dataset) -> datasets.Da
         return regenerated
     from pipeline.cluster import ensure_ray
 
+    verifier_path = ctx.verifier_path  # fail on a bad verifier before starting Ray
     ensure_ray(ctx.cfg.cluster)
     gen = ctx.cfg.generation
     rows = [{"sample_id": r["sample_id"], "messages_json": json.dumps(r["messages"])} for r in train_prompts]
     started = time.time()
     results = _map_with_verifier_actors(
         rows, ResponseGenerator,
-        dict(verifier_path=ctx.verifier_path, compute_dtype=ctx.cfg.verifier.compute_dtype,
+        dict(verifier_path=verifier_path, compute_dtype=ctx.cfg.verifier.compute_dtype,
              max_new_tokens=gen.max_new_tokens, max_length=gen.max_length, threads=gen.torch_threads),
         gen.batch_size, gen,
     )

@@ -1,0 +1,161 @@
+"""Each stage's contract on a tiny verifier: its inputs produce an artifact with the promised fields, tracked
+in MLflow (one parent run, a child per stage), and a rerun reuses finished hidden-state shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.config import compose
+from pipeline.data.store import verify_store
+from pipeline.paths import StagePaths
+from pipeline.runner import run_stages
+from pipeline.tracking import tracking_uri
+from tests.conftest import tiny_overrides, write_jsonl
+
+ALL_STAGES = ["prompts", "regenerate", "capture", "train", "evaluate", "export"]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, tiny_verifier_path, ray_local):
+    root = tmp_path_factory.mktemp("contracts")
+    prompts = write_jsonl(root / "prompts.jsonl", [
+        {"messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]} for i in range(10)])
+    cfg = compose(tiny_overrides(root, tiny_verifier_path, prompts) + [
+        "training.max_steps=4", "training.checkpoint_every=2", "evaluation.max_new_tokens=10"])
+    results = run_stages(cfg, "pipeline", ALL_STAGES)
+    return cfg, results, StagePaths(cfg)
+
+
+def client(cfg):
+    return mlflow.MlflowClient(tracking_uri(cfg))
+
+
+def test_prompts_contract(chain):
+    cfg, results, _ = chain
+    train, held_out = results["prompts"]
+    assert len(train) == cfg.data.num_train and len(held_out) == cfg.data.num_eval
+    assert set(train.column_names) >= {"sample_id", "messages"}
+    assert not set(train["sample_id"]) & set(held_out["sample_id"])
+
+
+def test_regenerate_contract(chain):
+    _, results, _ = chain
+    regenerated = results["regenerate"]
+    assert set(regenerated.column_names) >= {"sample_id", "messages", "input_ids", "loss_mask"}
+    for row in regenerated:
+        assert len(row["input_ids"]) == len(row["loss_mask"])
+        assert row["loss_mask"][0] == 0 and row["loss_mask"][-1] == 1  # prompt masked, response trained on
+        assert row["messages"][-1]["role"] == "assistant"
+
+
+def test_capture_contract(chain):
+    cfg, results, paths = chain
+    manifest = results["capture"]
+    assert manifest == verify_store(paths.store)
+    assert manifest["num_samples"] == cfg.data.num_train
+    assert manifest["layer_ids"] == [2, 3, 6]  # default aux layers [2, n//2, n-3] of 6 layers + the last one
+    for key in ("dtype", "hidden_size", "verifier", "chat_template_hash", "num_tokens"):
+        assert manifest[key]
+    assert all(len(shard["sha256"]) == 64 and shard["sample_ids"] for shard in manifest["shards"])
+
+
+def test_train_contract_checkpoint_and_metrics(chain):
+    cfg, results, paths = chain
+    checkpoint = results["train"]
+    assert checkpoint == paths.final_checkpoint
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    assert state["step"] == cfg.training.max_steps
+    weights = load_file(str(checkpoint / "drafter.safetensors"))
+    assert "mask_hidden" in weights and "lm_head.weight" not in weights
+    train_run = _child_runs(cfg)["train"]
+    history = client(cfg).get_metric_history(train_run.info.run_id, "train.loss")
+    assert [m.step for m in history] == list(range(1, cfg.training.max_steps + 1))
+    ray_checkpoints = list(Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*"))
+    assert len(ray_checkpoints) >= 2  # every checkpoint_every steps and the last one
+
+
+def test_evaluate_contract(chain):
+    cfg, results, paths = chain
+    report = results["evaluate"]
+    assert report["pooled_tau"] >= 1.0 and report["per_request_tau"] >= 1.0
+    assert len(report["conditional_acceptance"]) == cfg.evaluation.num_speculative_tokens
+    assert report["greedy_equivalence_checked"] and report["greedy_mismatches"] == []
+    for name in ("report.json", "report.md", "acceptance.png"):
+        assert (paths.evaluation / name).is_file()
+
+
+def test_export_contract_and_registry_link(chain):
+    cfg, results, paths = chain
+    exported = results["export"]
+    config = json.loads((paths.export / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert config["speculators_config"]["verifier"]["name_or_path"]
+    assert isinstance(config["transformer_layer_config"], dict) and "mask_token_id" in config
+    version = client(cfg).get_model_version(exported["registered_model"], exported["version"])
+    assert version.run_id == _child_runs(cfg)["export"].info.run_id
+    assert version.tags["lineage.store_key"] == paths.store_key
+    assert version.tags["lineage.parent_run_id"] == results["_parent_run_id"]
+
+
+def test_one_parent_run_with_a_child_per_stage(chain):
+    cfg, results, _ = chain
+    children = _child_runs(cfg)
+    assert set(children) == set(ALL_STAGES)
+    parent = client(cfg).get_run(results["_parent_run_id"])
+    assert parent.data.params["drafter.name"] == "peagle"  # params = the resolved config
+    assert parent.data.tags["git_sha"] and parent.data.tags["version.torch"]
+    artifacts = {a.path for a in client(cfg).list_artifacts(children["capture"].info.run_id, "store")}
+    assert "store/manifest.json" in artifacts
+
+
+def test_rerun_reuses_finished_shards(chain):
+    cfg, _, paths = chain
+    before = {p.name: p.stat().st_mtime_ns for p in paths.store.glob("shard-*.safetensors")}
+    results = run_stages(cfg, "generate", ["prompts", "regenerate", "capture"])
+    after = {p.name: p.stat().st_mtime_ns for p in paths.store.glob("shard-*.safetensors")}
+    assert before == after and results["capture"]["num_samples"] == cfg.data.num_train
+    capture_run = _child_runs(cfg, results["_parent_run_id"])["capture"]
+    assert capture_run.data.metrics["capture.new_samples"] == 0
+
+
+def test_a_lost_shard_is_recaptured_without_touching_the_others(chain):
+    cfg, _, paths = chain
+    shards = sorted(paths.store.glob("shard-*.safetensors"))
+    lost, kept = shards[0], shards[1:]
+    kept_mtimes = {p.name: p.stat().st_mtime_ns for p in kept}
+    lost.unlink()
+    results = run_stages(cfg, "generate", ["capture"])
+    assert {p.name: p.stat().st_mtime_ns for p in kept} == kept_mtimes
+    assert lost.is_file() and results["capture"]["num_samples"] == cfg.data.num_train
+
+
+def test_exported_checkpoint_reloads_with_the_same_drafts(chain):
+    from pipeline.export.speculators_format import load_speculators
+    from pipeline.training.checkpoint import load_checkpoint
+
+    cfg, _, paths = chain
+    trained, _ = load_checkpoint(paths.final_checkpoint)
+    exported = load_speculators(paths.export)
+    aux = torch.randn(1, 9, 3 * trained.spec.hidden_size)
+    ids = torch.randint(0, 1000, (1, 9))
+    with torch.no_grad():  # the export is bf16: round the trained weights the same way before comparing
+        for param in trained.parameters():
+            param.copy_(param.bfloat16().float())
+    assert exported.spec.aux_layer_ids == trained.spec.aux_layer_ids
+    assert torch.equal(exported.draft(aux, ids, 4), trained.draft(aux, ids, 4))
+
+
+def _child_runs(cfg, parent_run_id=None):
+    mlflow_client = client(cfg)
+    experiment = mlflow_client.get_experiment_by_name(cfg.tracking.experiment_name)
+    runs = mlflow_client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"])
+    if parent_run_id is None:
+        parent_run_id = next(r for r in reversed(runs) if "mlflow.parentRunId" not in r.data.tags).info.run_id
+    return {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_run_id}
