@@ -94,6 +94,9 @@ class Engine:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def zero_stage(self) -> int:
+        return int(self.engine.zero_optimization_stage()) if self.uses_deepspeed else -1
+
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -189,7 +192,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # Every rank reaches this on the same steps: the reductions and ray.train.report stay in lockstep.
         metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens,
                                 time.time() - window_start, engine.lr())
-        metrics["train.epoch"] = epoch
+        metrics.update({"train.epoch": epoch, "train.world_size": dist.world_size(),
+                        "train.zero_stage": engine.zero_stage()})
         sink.log(metrics, step)
         progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
         _report({**metrics, "step": step}, engine.module, {"step": step, "epoch": epoch}, with_checkpoint)

@@ -48,6 +48,9 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         ctx.set_tags({"train.reused": True, "train.checkpoint": str(final)})
         return final
     store = ctx.paths.store
+    if not (store / "manifest.json").is_file():
+        raise PipelineError(f"train: no hidden-state store (manifest.json) at {store}; "
+                            "run jobs/generate.py with this config first")
     manifest = verify_store(store)
     spec = _spec(ctx, manifest)
     cfg = ctx.cfg

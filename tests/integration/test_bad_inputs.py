@@ -1,0 +1,80 @@
+"""A bad input per stage: a one-line error naming the field or file, a non-zero exit, nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import compose
+from pipeline.errors import PipelineError
+from pipeline.runner import run_job, run_stages
+from tests.conftest import tiny_overrides, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(job: str, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, str(REPO / "jobs" / f"{job}.py"), *overrides], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=REPO)
+
+
+def test_unknown_config_key_fails_the_job_naming_the_key(tmp_path):
+    result = run_script("pipeline", "training.no_such_option=3", f"paths.root={tmp_path}")
+    assert result.returncode != 0
+    assert "no_such_option" in result.stderr
+
+
+def test_missing_prompt_file_exits_2_naming_it(tmp_path, tiny_verifier_path, capsys):
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, tmp_path / "missing.jsonl"))
+    assert run_job(cfg, "generate") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: data.path: prompt file") and "missing.jsonl" in err[-1]
+    assert not (tmp_path / "prompts").exists()
+
+
+def test_empty_dataset_exits_2(tmp_path, tiny_verifier_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert run_job(compose(tiny_overrides(tmp_path, tiny_verifier_path, empty)), "generate") == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_verifier_path_that_does_not_exist_exits_2_before_any_work(tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(10)])
+    cfg = compose(tiny_overrides(tmp_path, "/no/such/verifier", prompts))
+    assert run_job(cfg, "generate") == 2
+    assert "verifier.path: '/no/such/verifier' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "regenerated").exists()
+
+
+def test_the_job_script_exits_non_zero_with_one_line(tmp_path):
+    result = run_script("generate", "data=jsonl", f"data.path={tmp_path}/absent.jsonl", f"paths.root={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: data.path: prompt file")
+
+
+def test_training_without_a_store_names_the_missing_manifest(tmp_path, tiny_verifier_path):
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path))
+    with pytest.raises(PipelineError, match=r"no hidden-state store .* run jobs/generate.py"):
+        run_stages(cfg, "train", ["train"])
+
+
+def test_evaluation_without_a_trained_drafter_says_which_job_to_run(tmp_path, tiny_verifier_path):
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path))
+    with pytest.raises(PipelineError, match="no trained drafter .* run jobs/train.py"):
+        run_stages(cfg, "evaluate", ["evaluate"])
+
+
+def test_drafter_layers_beyond_the_verifier_are_refused(tmp_path, tiny_verifier_path):
+    from transformers import AutoConfig
+
+    from pipeline.drafters.build import make_spec
+
+    cfg = compose(["drafter.aux_layer_ids=[1,2,40]"])
+    with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: 40 is outside"):
+        make_spec(cfg.drafter, AutoConfig.from_pretrained(tiny_verifier_path), "t", tiny_verifier_path, 0)
