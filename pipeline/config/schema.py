@@ -76,6 +76,8 @@ class DrafterConfig:
     mask_token_id: Optional[int] = None
     # P-EAGLE draft-block sparsification: chain depth d is kept for a fraction depth_keep_decay**d of anchors.
     depth_keep_decay: float = 0.8
+    # Sequence-length sparsification: at most this many loss-carrying anchors per sequence per step (null = all).
+    max_anchors: Optional[int] = 64
     norm_before_residual: bool = True
     init_std: float = 0.02
 

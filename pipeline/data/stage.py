@@ -24,7 +24,3 @@ def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
     ctx.log_metrics({"prompts.train": len(train), "prompts.held_out": len(held_out)})
     ctx.set_tags({"prompts.key": ctx.paths.prompts_key, "prompts.source": ctx.cfg.data.source})
     return train, held_out
-
-
-def load_held_out(ctx: Context) -> datasets.Dataset:
-    return run(ctx)[1]

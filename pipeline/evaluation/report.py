@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.data.store import atomic_write_text
+from pipeline.fsutil import atomic_write_text
 
 
 def markdown_table(report: dict) -> str:

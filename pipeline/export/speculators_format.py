@@ -7,9 +7,6 @@ checkpoint has none. The LM head is written so the speculators library can load 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_folder
 
 SPECULATORS_VERSION = "0.9.0"
 ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
@@ -66,16 +64,9 @@ def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype 
     if spec.algorithm == "peagle" and "mask_hidden" not in model.state_dict():
         raise PipelineError("export: a P-EAGLE checkpoint needs mask_hidden (vLLM refuses to load without it)")
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in NOT_EXPORTED}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_folder(target) as staging:
         (staging / "config.json").write_text(json.dumps(speculators_config(spec), indent=2))
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_folder
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +62,8 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
     if (target / "config.json").is_file():
         return target
     log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_folder(target) as staging:
         _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype])
-        os.replace(staging, target)
-    except OSError:
-        # Another process finished the same conversion first; keep theirs.
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +38,3 @@ def load_checkpoint(folder: Path):
                             f"unexpected {unexpected}")
     state = json.loads((folder / STATE_FILE).read_text()) if (folder / STATE_FILE).is_file() else {}
     return model.eval(), state
-
-
-def copy_folder_atomic(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        shutil.copytree(source, staging, dirs_exist_ok=True)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -178,7 +178,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         for _ in range(training["grad_accum_steps"]):
             epoch, batch = next(stream)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                loss, correct, total = peagle_loss(engine.module, batch, config["keep_decay"], generator)
+                loss, correct, total = peagle_loss(engine.module, batch, config["keep_decay"], generator,
+                                                    config["max_anchors"])
             engine.backward_and_step(loss / (1 if engine.uses_deepspeed else training["grad_accum_steps"]))
             loss_sum += loss.detach().float()
             correct_sum, total_sum = correct_sum + correct, total_sum + total

@@ -13,7 +13,8 @@ from pipeline.context import Context
 from pipeline.data.store import verify_store
 from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.errors import PipelineError
-from pipeline.training.checkpoint import STATE_FILE, copy_folder_atomic
+from pipeline.fsutil import copy_folder_atomic
+from pipeline.training.checkpoint import STATE_FILE
 from pipeline.training.loop import train_loop_per_worker
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "store_dir": str(store),
         "last_layer_id": manifest["num_verifier_layers"],
         "keep_decay": float(cfg.drafter.depth_keep_decay),
+        "max_anchors": cfg.drafter.max_anchors,
         "training": OmegaConf.to_container(cfg.training, resolve=True),
         "deepspeed": OmegaConf.to_container(cfg.deepspeed, resolve=True),
         "tracking_uri": ctx.tracker.uri if ctx.tracker else None,

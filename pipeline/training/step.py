@@ -19,14 +19,15 @@ def _pad_stack(tensors: list[torch.Tensor], fill: int | float | bool) -> torch.T
 
 
 def peagle_loss(
-    model: Any, samples: list[dict[str, torch.Tensor]], keep_decay: float, generator: torch.Generator | None = None
+    model: Any, samples: list[dict[str, torch.Tensor]], keep_decay: float, generator: torch.Generator | None = None,
+    max_anchors: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples hold aux [T, A*H], last [T, H] (post-norm final hidden), input_ids [T], loss_mask [T].
 
     Returns (loss, correct [K], total [K]) where K = the drafter's num_speculative_tokens.
     """
     num_depths = model.spec.num_speculative_tokens
-    rows = [sample_training_rows(s["loss_mask"], num_depths, keep_decay, generator) for s in samples]
+    rows = [sample_training_rows(s["loss_mask"], num_depths, keep_decay, generator, max_anchors) for s in samples]
     anchors = _pad_stack([r[0] for r in rows], 0)  # [B, R]
     depths = _pad_stack([r[1] for r in rows], 0)  # [B, R]
     has_target = _pad_stack([r[2] for r in rows], False)  # [B, R]

@@ -26,14 +26,16 @@ def attention_allowed(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.
 
 
 def sample_training_rows(
-    loss_mask: torch.Tensor, num_depths: int, keep_decay: float, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor, num_depths: int, keep_decay: float, generator: torch.Generator | None = None,
+    max_anchors: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows for one sequence of length T with draft-block sparsification.
 
     loss_mask: [T] (1 on assistant tokens). Returns anchors [R], depths [R], has_target [R] where has_target marks
     rows whose drafted token exists and is an assistant token. Every real row is kept (it is context for all
     later rows); chain depth d of an anchor is kept with probability keep_decay per level, nested so a kept row
-    always has its whole chain above it, and only while its target is trainable.
+    always has its whole chain above it, and only while its target is trainable. With max_anchors, only that
+    many randomly chosen anchors carry a loss (and chains): sequence-length sparsification.
     """
     length = int(loss_mask.shape[0])
     num_real = max(length - 1, 0)
@@ -42,6 +44,11 @@ def sample_training_rows(
     real_target = torch.zeros(num_real, dtype=torch.bool)
     in_range = target_pos < length
     real_target[in_range] = loss_mask[target_pos[in_range]].bool()
+    if max_anchors is not None and int(real_target.sum()) > max_anchors:
+        candidates = real_target.nonzero().squeeze(1)
+        chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:max_anchors]]
+        real_target = torch.zeros_like(real_target)
+        real_target[chosen] = True
 
     anchors, depths, targets = [real_anchor], [torch.zeros(num_real, dtype=torch.long)], [real_target]
     alive = real_target.clone()

@@ -1,0 +1,72 @@
+"""The pipeline job as a user runs it: `python jobs/pipeline.py ...` in a subprocess, on the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = {"prompts", "regenerate", "capture", "train", "evaluate", "export"}
+
+
+def run_pipeline(root: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    result = subprocess.run([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def tracking(root: Path):
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("speculators")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return client, runs, parents
+
+
+def children_of(runs, parent) -> dict:
+    return {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+
+
+def check_outputs(root: Path, min_first_position_acceptance: float) -> dict:
+    client, runs, parents = tracking(root)
+    children = children_of(runs, parents[-1])
+    assert set(children) == STAGES
+    report = json.loads(next((root / "eval").glob("*/report.json")).read_text())
+    assert report["pooled_tau"] >= 1.0 and report["greedy_mismatches"] == []
+    assert report["conditional_acceptance"][0] >= min_first_position_acceptance, report["conditional_acceptance"]
+    config = json.loads(next((root / "export").glob("*/config.json")).read_text())
+    assert config["speculators_model_type"] == "peagle"
+    versions = client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'")
+    assert versions and versions[0].run_id == children["export"].info.run_id
+    return {"client": client, "runs": runs, "parents": parents, "children": children, "report": report}
+
+
+@pytest.mark.slow
+def test_smoke_pipeline_then_rerun_reuses_finished_work(tmp_path):
+    run_pipeline(tmp_path, "experiment=smoke", timeout=1200)
+    check_outputs(tmp_path, min_first_position_acceptance=0.0)
+    shards = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("stores/*/shard-*.safetensors")}
+    assert shards
+
+    run_pipeline(tmp_path, "experiment=smoke", timeout=1200)
+    outputs = check_outputs(tmp_path, min_first_position_acceptance=0.0)
+    assert len(outputs["parents"]) == 2
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("stores/*/shard-*.safetensors")} == shards
+    assert outputs["children"]["capture"].data.metrics["capture.new_samples"] == 0
+    assert outputs["children"]["train"].data.tags.get("train.reused") == "True"
+
+
+@pytest.mark.slow
+def test_default_pipeline_drafts_get_accepted(tmp_path):
+    """The README's first command, on a temporary output root: under 20 minutes on 2 CPU cores."""
+    run_pipeline(tmp_path, timeout=1500)
+    outputs = check_outputs(tmp_path, min_first_position_acceptance=0.2)
+    assert outputs["report"]["num_requests"] == 8

@@ -1,0 +1,55 @@
+"""`ray job submit -- python jobs/pipeline.py ...` against a Ray head started on 127.0.0.1 runs the chain."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    gcs_port, dashboard_port = free_port(), free_port()
+    temp_dir = Path("/tmp") / f"ray-e2e-{gcs_port}"  # short: Ray's socket paths must stay under 108 bytes
+    subprocess.run(
+        [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=2",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
+         "--disable-usage-stats"],
+        check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield ray_bin, f"http://127.0.0.1:{dashboard_port}", env
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_pipeline_job_runs_under_ray_job_submit(ray_head, tmp_path, tiny_verifier_path):
+    ray_bin, address, env = ray_head
+    prompts = write_jsonl(tmp_path / "prompts.jsonl",
+                          [{"prompt": f"Name {i} colours."} for i in range(10)])
+    overrides = tiny_overrides(tmp_path / "out", tiny_verifier_path, prompts) + ["training.max_steps=2"]
+    result = subprocess.run(
+        [ray_bin, "job", "submit", f"--address={address}", f"--working-dir={REPO}", "--",
+         "python", "jobs/pipeline.py", *overrides],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "succeeded" in result.stdout.lower()
+    config = json.loads(next((tmp_path / "out" / "export").glob("*/config.json")).read_text())
+    assert config["speculators_model_type"] == "peagle"
