@@ -7,6 +7,7 @@ import importlib.metadata
 import logging
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -66,8 +67,22 @@ def provenance_tags() -> dict[str, str]:
     return tags
 
 
+def log_metric_batch(client: Any, run_id: str, metrics: dict[str, float], step: Optional[int] = None) -> None:
+    """One round trip for many metrics; usable from a Ray worker that only has the URI and the run id."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
+    client.log_batch(run_id, metrics=batch)
+
+
 class Tracker:
-    """Opens the parent run of a job and a child run per stage; everything logs through here."""
+    """Opens the parent run of a job and a child run per stage; everything logs through here.
+
+    It talks to MLflow only through its own MlflowClient: the fluent API's global tracking URI (which
+    `mlflow.set_tracking_uri` also exports as MLFLOW_TRACKING_URI) would leak from one job to the next in a
+    process that runs several, such as the tests.
+    """
 
     def __init__(self, cfg: DictConfig):
         import mlflow
@@ -75,7 +90,6 @@ class Tracker:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         self.cfg = cfg
         self.uri = tracking_uri(cfg)
-        mlflow.set_tracking_uri(self.uri)
         self.client = mlflow.MlflowClient(self.uri)
         name = cfg.tracking.experiment_name
         experiment = self.client.get_experiment_by_name(name)
@@ -83,50 +97,51 @@ class Tracker:
             experiment.experiment_id if experiment
             else self.client.create_experiment(name, artifact_location=_artifact_location(cfg, self.uri))
         )
+        self._active: list[str] = []
+
+    @contextlib.contextmanager
+    def _run(self, name: str, tags: dict[str, str]) -> Iterator[str]:
+        run_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+        self._active.append(run_id)
+        status = "FAILED"
+        try:
+            yield run_id
+            status = "FINISHED"
+        finally:
+            self._active.pop()
+            self.client.set_terminated(run_id, status)
 
     @contextlib.contextmanager
     def parent_run(self, job: str) -> Iterator[str]:
-        import mlflow
+        from mlflow.entities import Param
 
-        with mlflow.start_run(experiment_id=self.experiment_id, run_name=f"{job}-{self.cfg.experiment}") as run:
-            mlflow.log_params(flatten_config(self.cfg))
-            mlflow.set_tags({**provenance_tags(), "job": job, "experiment": self.cfg.experiment})
-            yield run.info.run_id
+        tags = {**provenance_tags(), "job": job, "experiment": self.cfg.experiment}
+        with self._run(f"{job}-{self.cfg.experiment}", tags) as run_id:
+            params = [Param(k, v) for k, v in flatten_config(self.cfg).items()]
+            for start in range(0, len(params), 100):  # MLflow caps a batch at 100 params
+                self.client.log_batch(run_id, params=params[start:start + 100])
+            yield run_id
 
     @contextlib.contextmanager
     def child_run(self, stage: str) -> Iterator[str]:
-        import mlflow
-
-        with mlflow.start_run(experiment_id=self.experiment_id, run_name=stage, nested=True) as run:
-            mlflow.set_tag("stage", stage)
-            yield run.info.run_id
+        with self._run(stage, {"mlflow.parentRunId": self._active[-1], "stage": stage}) as run_id:
+            yield run_id
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None, run_id: Optional[str] = None):
-        import mlflow
-
-        clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        if run_id:
-            for key, value in clean.items():
-                self.client.log_metric(run_id, key, value, step=step or 0)
-        else:
-            mlflow.log_metrics(clean, step=step)
+        log_metric_batch(self.client, run_id or self._active[-1], metrics, step)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        import mlflow
-
-        mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        for key, value in tags.items():
+            self.client.set_tag(self._active[-1], key, str(value))
 
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
-        import mlflow
-
         if Path(path).is_dir():
-            mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+            self.client.log_artifacts(self._active[-1], str(path), artifact_path=artifact_path)
         else:
-            mlflow.log_artifact(str(path), artifact_path=artifact_path)
+            self.client.log_artifact(self._active[-1], str(path), artifact_path=artifact_path)
 
     def register(self, name: str, artifact_path: str, run_id: str, tags: dict[str, str]) -> str:
         """Register the run's artifact folder as a new version of `name`; returns the version number."""
-        import mlflow
         from mlflow.exceptions import MlflowException
 
         try:
@@ -134,7 +149,7 @@ class Tracker:
         except MlflowException as error:
             if "RESOURCE_ALREADY_EXISTS" not in str(error.error_code):
                 raise
-        source = f"{mlflow.get_run(run_id).info.artifact_uri}/{artifact_path}"
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_path}"
         # register_model("runs:/...") refuses a plain artifact folder in MLflow 3; create_model_version does not.
         version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags)
         return str(version.version)

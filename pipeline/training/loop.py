@@ -17,6 +17,7 @@ from pipeline.drafters.common import DrafterSpec
 from pipeline.evaluation.metrics import expected_tau
 from pipeline.training import dist
 from pipeline.training.checkpoint import save_checkpoint
+from pipeline.tracking import log_metric_batch
 from pipeline.training.step import peagle_loss
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,12 +123,8 @@ class MetricsSink:
             self.client, self.run_id = mlflow.MlflowClient(tracking_uri), run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        if self.client is not None:
+            log_metric_batch(self.client, self.run_id, metrics, step)
 
 
 def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Tensor, tokens: torch.Tensor,
