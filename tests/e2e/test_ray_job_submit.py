@@ -33,8 +33,10 @@ def ray_head(tmp_path):
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
          "--disable-usage-stats"],
         check=True, env=env, capture_output=True, timeout=180)
+    # `ray start` enables token auth and writes the token under ~/.ray; the client must be told to send it.
+    client_env = {**env, "RAY_AUTH_MODE": "token"}
     try:
-        yield ray_bin, f"http://127.0.0.1:{dashboard_port}", env
+        yield ray_bin, f"http://127.0.0.1:{dashboard_port}", client_env
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
