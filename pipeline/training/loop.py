@@ -73,7 +73,7 @@ class Engine:
         if self.uses_deepspeed:
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(ds, training))
             self.module = self.engine.module
@@ -167,6 +167,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     sink = MetricsSink(config.get("tracking_uri"), config.get("run_id"))
     generator = torch.Generator().manual_seed(training["seed"] * 1000 + dist.rank())
     autocast = AUTOCAST.get(training.get("autocast_dtype") or "")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     stream = batches(samples, training["micro_batch_size"], training["seed"] + dist.rank())
     progress = _progress(training["max_steps"])
     window_start = time.time()
@@ -174,7 +175,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     for step in range(1, training["max_steps"] + 1):
         for _ in range(training["grad_accum_steps"]):
             epoch, batch = next(stream)
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = peagle_loss(engine.module, batch, config["keep_decay"], generator,
                                                     config["max_anchors"])
             engine.backward_and_step(loss / (1 if engine.uses_deepspeed else training["grad_accum_steps"]))

@@ -1,0 +1,72 @@
+"""Run an exported speculator in vLLM and read its spec-decode counters.
+
+    python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --method eagle3 --parallel-drafting \
+        --k 4 --prompts prompts.json --out result.json [--baseline]
+
+vLLM forks engine processes, so it runs as its own program (this module's ``main``) rather than inside a stage.
+The verifier is passed as ``model`` and the drafter through ``speculative_config``: vLLM refuses a local verifier
+path inside a speculators config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+
+def spec_decode_counters(llm: Any) -> dict[str, Any]:
+    counters: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                                "num_accepted_tokens_per_pos": []}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            counters[name] += int(metric.value)
+        elif name == "num_accepted_tokens_per_pos":
+            counters[name] = [int(v) for v in metric.values]
+    return counters
+
+
+def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype="float32",
+              max_model_len=2048, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    if speculative_config:
+        result["counters"] = spec_decode_counters(llm)
+    del llm
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verifier", required=True)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--method", default="eagle3")
+    parser.add_argument("--parallel-drafting", action="store_true")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--baseline", action="store_true", help="also decode without speculation")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    speculative = {"model": args.drafter, "num_speculative_tokens": args.k, "method": args.method}
+    if args.parallel_drafting:
+        speculative["parallel_drafting"] = True
+    result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative)}
+    if args.baseline:
+        result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None)
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
