@@ -13,6 +13,7 @@ from pipeline.errors import PipelineError
 from pipeline.evaluation.metrics import expected_tau, per_request_tau
 from pipeline.evaluation.reference_decoder import GreedySpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
+from pipeline.export.speculators_format import round_to_export_dtype
 from pipeline.generation.verifier import load_verifier
 from pipeline.training.checkpoint import load_checkpoint
 
@@ -49,6 +50,8 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
         "per_request_tau": per_request_tau(per_request),
         "conditional_acceptance": total.conditional_acceptance,
         "cumulative_acceptance": total.cumulative_acceptance,
+        "accepted_per_position": total.accepted_at,
+        "accepted_tokens": total.accepted_tokens,
         "expected_tau_from_alpha": expected_tau(total.conditional_acceptance),
         "per_request": [{"tau": c.tau, "steps": c.steps, "accepted_tokens": c.accepted_tokens} for c in per_request],
         "greedy_equivalence_checked": bool(eval_cfg.check_greedy_equivalence),
@@ -61,7 +64,7 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
 def run(ctx: Context, checkpoint: Path, held_out) -> dict:
     if len(held_out) == 0:
         raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")
-    drafter, _ = load_checkpoint(checkpoint)
+    drafter = round_to_export_dtype(load_checkpoint(checkpoint)[0])  # measure exactly what vLLM will load
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
     conversations = [prompt_messages(row["messages"]) for row in held_out]
     log.info("evaluate: %d held-out prompts, K=%d", len(conversations), ctx.cfg.evaluation.num_speculative_tokens)

@@ -33,8 +33,10 @@ def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculati
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # On the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves; its default (0.92)
+    # fails on a shared 24 GiB machine.
     llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype="float32",
-              max_model_len=2048, seed=0)
+              max_model_len=2048, seed=0, gpu_memory_utilization=0.3, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}

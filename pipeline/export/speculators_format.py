@@ -18,6 +18,7 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder
 
 SPECULATORS_VERSION = "0.9.0"
+EXPORT_DTYPE = torch.bfloat16
 ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
 NOT_EXPORTED = ("embed_tokens.weight",)
 
@@ -56,7 +57,16 @@ def _verifier_architecture(spec: DrafterSpec) -> str:
     return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec.transformer_layer_config["model_type"]]
 
 
-def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def round_to_export_dtype(model: torch.nn.Module) -> torch.nn.Module:
+    """Round the weights in place as the export stores them, so evaluation measures the served drafter."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(EXPORT_DTYPE))
+    return model
+
+
+def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype = EXPORT_DTYPE) -> Path:
     """Write the checkpoint into a temporary sibling folder and rename it into place when complete."""
     spec: DrafterSpec = model.spec
     if spec.algorithm not in ARCHITECTURES:

@@ -7,6 +7,7 @@ loads that folder, so vLLM and transformers see the same weights.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -59,12 +60,18 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
         raise PipelineError("verifier.gguf_file: required with verifier.gguf_package")
     gguf_path = _packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
     target = Path(verifier_cfg.cache_dir).expanduser() / f"{verifier_cfg.name}-{verifier_cfg.save_dtype}"
-    if (target / "config.json").is_file():
+    if _is_plain_hf_folder(target):
         return target
     log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
     with atomic_folder(target) as staging:
         _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype])
     return target
+
+
+def _is_plain_hf_folder(folder: Path) -> bool:
+    """A finished conversion: an HF config that no longer claims GGUF quantization (vLLM refuses that claim)."""
+    config = folder / "config.json"
+    return config.is_file() and "quantization_config" not in json.loads(config.read_text())
 
 
 def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
@@ -74,7 +81,11 @@ def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; rebuild it from its config with the dequantized weights.
-    model = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+    config = quantized.config
+    # The weights are dequantized now; a leftover GGUF quantization_config makes vLLM refuse the folder.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

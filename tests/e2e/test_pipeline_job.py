@@ -64,9 +64,48 @@ def test_smoke_pipeline_then_rerun_reuses_finished_work(tmp_path):
     assert outputs["children"]["train"].data.tags.get("train.reused") == "True"
 
 
-@pytest.mark.slow
-def test_default_pipeline_drafts_get_accepted(tmp_path):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
     """The README's first command, on a temporary output root: under 20 minutes on 2 CPU cores."""
-    run_pipeline(tmp_path, timeout=1500)
-    outputs = check_outputs(tmp_path, min_first_position_acceptance=0.2)
+    root = tmp_path_factory.mktemp("default")
+    run_pipeline(root, timeout=1500)
+    return root
+
+
+@pytest.mark.slow
+def test_default_pipeline_drafts_get_accepted(default_run):
+    outputs = check_outputs(default_run, min_first_position_acceptance=0.2)
     assert outputs["report"]["num_requests"] == 8
+
+
+def held_out_prompt_ids(root: Path, verifier_path: str) -> list[list[int]]:
+    import datasets
+    from transformers import AutoTokenizer
+
+    from pipeline.data.chat import prompt_ids, prompt_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    held_out = datasets.load_from_disk(str(next(root.glob("prompts/*/held_out"))))
+    return [prompt_ids(tokenizer, prompt_messages(row["messages"])) for row in held_out]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serves_the_acceptance_the_evaluation_measured(default_run, smollm2_path, tmp_path):
+    report = json.loads(next(default_run.glob("eval/*/report.json")).read_text())
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(held_out_prompt_ids(default_run, smollm2_path)))
+    out = tmp_path / "vllm.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", smollm2_path,
+         "--drafter", str(next(default_run.glob("export/*"))), "--method", "eagle3", "--parallel-drafting",
+         "--k", str(report["num_speculative_tokens"]), "--max-tokens", "64", "--prompts", str(prompts),
+         "--out", str(out), "--baseline"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    served = json.loads(out.read_text())
+    assert served["speculative"]["tokens"] == served["baseline"]["tokens"]  # vLLM's speculation is lossless too
+    counters = served["speculative"]["counters"]
+    served_tau = 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
+    assert counters["num_accepted_tokens"] > 0
+    assert abs(served_tau - report["pooled_tau"]) <= 0.03 * report["pooled_tau"], (served_tau, report["pooled_tau"])

@@ -24,6 +24,7 @@ def test_packaged_smollm2_becomes_an_hf_folder_once(smollm2_path):
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     config = AutoConfig.from_pretrained(folder)
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert "quantization_config" not in (folder / "config.json").read_text()  # vLLM refuses a GGUF claim
 
 
 def test_a_verifier_path_that_does_not_exist_is_named():
