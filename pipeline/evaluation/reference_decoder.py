@@ -38,8 +38,8 @@ class GreedySpeculativeDecoder:
             accepted = 0
             while accepted < proposed and drafts[accepted] == greedy[accepted]:
                 accepted += 1
-            if proposed:
-                counts.add_step(accepted, proposed)
+            # Counted even when no draft fits before max_new_tokens: vLLM still runs (and counts) that draft step.
+            counts.add_step(accepted, proposed)
             # Keep the verifier's state for the last token and the accepted drafts; drop the rejected tail.
             if proposed > accepted:
                 cache.crop(accepted - proposed)
