@@ -13,9 +13,14 @@ from pipeline.errors import PipelineError
 
 
 def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
-    """EAGLE-3's default: an early, a middle and a late layer (id i = hidden state after i layers)."""
+    """EAGLE-3's default: an early, a middle and a late layer (id i = hidden state after i layers).
+
+    [2, n//2, n-3] collides on verifiers of under 7 layers; speculators and vLLM need distinct ids, so those
+    get [1, n//2, n-1].
+    """
     n = num_verifier_layers
-    return [2, n // 2, n - 3]
+    ids = [2, n // 2, n - 3]
+    return ids if len(set(ids)) == 3 and ids[0] < ids[1] else [1, n // 2, n - 1]
 
 
 def _layer_config_dict(verifier_config: Any) -> dict[str, Any]:
@@ -34,6 +39,8 @@ def make_spec(
 ) -> DrafterSpec:
     num_layers = int(verifier_config.num_hidden_layers)
     aux = list(drafter_cfg.aux_layer_ids) if drafter_cfg.aux_layer_ids else default_aux_layer_ids(num_layers)
+    if len(set(aux)) != len(aux):
+        raise PipelineError(f"drafter.aux_layer_ids: {aux} repeats a layer (speculators and vLLM need distinct ids)")
     for layer_id in aux:
         if not 0 <= layer_id <= num_layers:
             raise PipelineError(f"drafter.aux_layer_ids: {layer_id} is outside 0..{num_layers} for this verifier")

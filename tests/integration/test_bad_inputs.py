@@ -75,6 +75,8 @@ def test_drafter_layers_beyond_the_verifier_are_refused(tmp_path, tiny_verifier_
 
     from pipeline.drafters.build import make_spec
 
-    cfg = compose(["drafter.aux_layer_ids=[1,2,40]"])
+    verifier_config = AutoConfig.from_pretrained(tiny_verifier_path)
     with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: 40 is outside"):
-        make_spec(cfg.drafter, AutoConfig.from_pretrained(tiny_verifier_path), "t", tiny_verifier_path, 0)
+        make_spec(compose(["drafter.aux_layer_ids=[1,2,40]"]).drafter, verifier_config, "t", tiny_verifier_path, 0)
+    with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: \[1, 2, 2\] repeats a layer"):
+        make_spec(compose(["drafter.aux_layer_ids=[1,2,2]"]).drafter, verifier_config, "t", tiny_verifier_path, 0)

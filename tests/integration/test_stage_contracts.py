@@ -59,7 +59,7 @@ def test_capture_contract(chain):
     manifest = results["capture"]
     assert manifest == verify_store(paths.store)
     assert manifest["num_samples"] == cfg.data.num_train
-    assert manifest["layer_ids"] == [2, 3, 6]  # default aux layers [2, n//2, n-3] of 6 layers + the last one
+    assert manifest["layer_ids"] == [1, 3, 5, 6]  # default aux layers of a 6-layer verifier + the last one
     for key in ("dtype", "hidden_size", "verifier", "chat_template_hash", "num_tokens"):
         assert manifest[key]
     assert all(len(shard["sha256"]) == 64 and shard["sample_ids"] for shard in manifest["shards"])
@@ -157,3 +157,19 @@ def _child_runs(cfg, parent_run_id=None):
     if parent_run_id is None:
         parent_run_id = next(r for r in reversed(runs) if "mlflow.parentRunId" not in r.data.tags).info.run_id
     return {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_run_id}
+
+
+def test_speculators_library_loads_the_export_with_our_weights(chain):
+    from speculators import SpeculatorModel
+    from speculators.models.peagle import PEagleSpeculatorConfig
+
+    cfg, _, paths = chain
+    config = PEagleSpeculatorConfig.from_pretrained(str(paths.export))  # its pydantic schema validates ours
+    assert config.speculators_model_type == "peagle" and config.norm_before_residual is True
+    assert config.eagle_aux_hidden_state_layer_ids == [1, 3, 5]
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = SpeculatorModel.from_pretrained(str(paths.export), config=config).state_dict()
+    ours = load_file(str(paths.export / "model.safetensors"))
+    assert set(ours) <= set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name].to(tensor.dtype), tensor), name

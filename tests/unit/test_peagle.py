@@ -158,3 +158,10 @@ def test_loss_falls_and_only_trainable_weights_move():
     assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])  # the verifier's head stays frozen
     assert torch.equal(before["embed_tokens.weight"], after["embed_tokens.weight"])
     assert total.sum() > 0 and len(correct) == 4
+
+
+@pytest.mark.parametrize("layers,expected", [(30, [2, 15, 27]), (8, [2, 4, 5]), (6, [1, 3, 5]), (4, [1, 2, 3])])
+def test_default_aux_layers_are_eagle3s_and_always_distinct(layers, expected):
+    from pipeline.drafters.build import default_aux_layer_ids
+
+    assert default_aux_layer_ids(layers) == expected
