@@ -79,7 +79,6 @@ class DrafterConfig:
     # Sequence-length sparsification: at most this many loss-carrying anchors per sequence per step (null = all).
     max_anchors: Optional[int] = 64
     norm_before_residual: bool = True
-    init_std: float = 0.02
 
 
 @dataclass
