@@ -127,8 +127,8 @@ class Tracker:
         with self._run(stage, {"mlflow.parentRunId": self._active[-1], "stage": stage}) as run_id:
             yield run_id
 
-    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None, run_id: Optional[str] = None):
-        log_metric_batch(self.client, run_id or self._active[-1], metrics, step)
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        log_metric_batch(self.client, self._active[-1], metrics, step)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         for key, value in tags.items():
