@@ -30,7 +30,8 @@ class StagePaths:
         self.prompts_key = content_key(cfg.data)
         self.regenerated_key = content_key(self.prompts_key, verifier, cfg.generation.max_new_tokens,
                                            cfg.generation.max_length, cfg.verifier.compute_dtype)
-        self.store_key = content_key(self.regenerated_key, "store-v1")
+        # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
+        self.store_key = content_key(self.regenerated_key, "store-v2", cfg.drafter.aux_layer_ids)
         self.train_key = content_key(self.store_key, cfg.drafter, cfg.training, cfg.deepspeed, cfg.seed)
 
     @property

@@ -79,6 +79,17 @@ class DrafterConfig:
     # Sequence-length sparsification: at most this many loss-carrying anchors per sequence per step (null = all).
     max_anchors: Optional[int] = 64
     norm_before_residual: bool = True
+    # DFlash / DSpark: attention inside a block is bidirectional (the paper); true makes it causal.
+    causal_block: bool = False
+    # DFlash / DSpark: loss weight of draft j is exp(-j / loss_decay_gamma).
+    loss_decay_gamma: float = 7.0
+    # DSpark: rank of the Markov (previous-token) logit bias; weight of the confidence head's loss.
+    markov_rank: int = 64
+    confidence_loss_weight: float = 1.0
+    # DSpark decoding: send drafts while the product of their confidences stays >= this (0 = send all K).
+    confidence_threshold: float = 0.0
+    # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
+    draft_vocab_size: Optional[int] = None
 
 
 @dataclass

@@ -114,6 +114,14 @@ def verify_store(store_dir: Path) -> dict:
     return manifest
 
 
+def iter_trained_tokens(store_dir: Path, manifest: dict) -> Iterator[torch.Tensor]:
+    """The loss-carrying (assistant) token ids of each shard, without reading any hidden state."""
+    for shard in manifest["shards"]:
+        with safe_open(str(store_dir / shard["file"]), framework="pt") as handle:
+            input_ids, loss_mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+        yield input_ids[loss_mask.bool()]
+
+
 def iter_samples(store_dir: Path, manifest: dict, aux_layer_ids: list[int], last_layer_id: int) -> Iterator[dict]:
     """Yield {sample_id, input_ids, loss_mask, aux [T, A*H], last [T, H]} for every sample of the store."""
     missing = [i for i in [*aux_layer_ids, last_layer_id] if i not in manifest["layer_ids"]]

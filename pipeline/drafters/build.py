@@ -12,15 +12,22 @@ from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
 
 
-def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
-    """EAGLE-3's default: an early, a middle and a late layer (id i = hidden state after i layers).
+def default_aux_layer_ids(algorithm: str, num_verifier_layers: int) -> list[int]:
+    from pipeline.drafters import drafter_class
 
-    [2, n//2, n-3] collides on verifiers of under 7 layers; speculators and vLLM need distinct ids, so those
-    get [1, n//2, n-1].
-    """
-    n = num_verifier_layers
-    ids = [2, n // 2, n - 3]
-    return ids if len(set(ids)) == 3 and ids[0] < ids[1] else [1, n // 2, n - 1]
+    return drafter_class(algorithm).default_aux_layer_ids(num_verifier_layers)
+
+
+def store_layer_ids(configured_aux: Optional[list[int]], num_verifier_layers: int) -> list[int]:
+    """The layers a store captures: the union every registered drafter needs by default (or the configured
+    aux layers), plus the last layer for targets. One store then feeds a multirun over all drafters."""
+    from pipeline.drafters import DRAFTERS
+
+    if configured_aux:
+        wanted = set(configured_aux)
+    else:
+        wanted = {i for cls in DRAFTERS.values() for i in cls.default_aux_layer_ids(num_verifier_layers)}
+    return sorted(wanted | {num_verifier_layers})
 
 
 def _layer_config_dict(verifier_config: Any) -> dict[str, Any]:
@@ -38,23 +45,27 @@ def make_spec(
     drafter_cfg: Any, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
 ) -> DrafterSpec:
     num_layers = int(verifier_config.num_hidden_layers)
-    aux = list(drafter_cfg.aux_layer_ids) if drafter_cfg.aux_layer_ids else default_aux_layer_ids(num_layers)
+    aux = list(drafter_cfg.aux_layer_ids or default_aux_layer_ids(drafter_cfg.name, num_layers))
     if len(set(aux)) != len(aux):
         raise PipelineError(f"drafter.aux_layer_ids: {aux} repeats a layer (speculators and vLLM need distinct ids)")
     for layer_id in aux:
         if not 0 <= layer_id <= num_layers:
             raise PipelineError(f"drafter.aux_layer_ids: {layer_id} is outside 0..{num_layers} for this verifier")
     mask_token_id = drafter_cfg.mask_token_id if drafter_cfg.mask_token_id is not None else default_mask_token_id
+    from pipeline.drafters import drafter_class
+
+    cls = drafter_class(drafter_cfg.name)
     return DrafterSpec(
         algorithm=drafter_cfg.name,
         verifier_name=verifier_name,
         verifier_path=verifier_path,
-        transformer_layer_config=_layer_config_dict(verifier_config),
+        transformer_layer_config=cls.adapt_layer_config(_layer_config_dict(verifier_config)),
         aux_layer_ids=aux,
         num_speculative_tokens=int(drafter_cfg.num_speculative_tokens),
         mask_token_id=int(mask_token_id),
         num_layers=int(drafter_cfg.num_layers),
         norm_before_residual=bool(drafter_cfg.norm_before_residual),
+        extra={key: drafter_cfg[key] for key in cls.extra_keys},
     )
 
 

@@ -27,7 +27,9 @@ class DrafterSpec:
     mask_token_id: int
     num_layers: int = 1
     norm_before_residual: bool = True
-    draft_vocab_size: Optional[int] = None  # null: the verifier's full vocabulary
+    # Kept target ids (ascending) of a pruned draft vocabulary; null: the verifier's full vocabulary.
+    draft_token_ids: Optional[list[int]] = None
+    # Algorithm-specific architecture choices (DFlash block size, DSpark head ranks, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -38,12 +40,16 @@ class DrafterSpec:
     def vocab_size(self) -> int:
         return int(self.transformer_layer_config["vocab_size"])
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.draft_token_ids) if self.draft_token_ids else self.vocab_size
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DrafterSpec":
-        return cls(**values)
+        return cls(**{k: v for k, v in values.items() if k != "draft_vocab_size"})
 
     def layer_config(self):
         """The verifier's HF config narrowed to the drafter's layers, with an explicit attention mask path."""
@@ -55,6 +61,72 @@ class DrafterSpec:
         config.num_hidden_layers = self.num_layers
         config._attn_implementation = "sdpa"
         return config
+
+
+class DrafterBase(nn.Module):
+    """What every drafter shares: the verifier's frozen embedding, an LM head over the (possibly pruned) draft
+    vocabulary, and the verifier's full head for distillation targets.
+
+    Buffers ``d2t``/``t2d`` exist only for a pruned vocabulary, under the names vLLM and speculators load.
+    """
+
+    algorithm = ""
+    FROZEN = ("embed_tokens.weight", "lm_head.weight")
+    extra_keys: tuple[str, ...] = ()  # drafter config keys copied into spec.extra (architecture / decoding choices)
+
+    @staticmethod
+    def adapt_layer_config(verifier_layer_config: dict[str, Any]) -> dict[str, Any]:
+        """The drafter's layer config from the verifier's (EAGLE layers copy the verifier's layout)."""
+        return verifier_layer_config
+
+    @staticmethod
+    def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
+        raise NotImplementedError
+
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        from pipeline.drafters.vocab import d2t_offsets, t2d_mask
+
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+        self.register_buffer("verifier_head", torch.empty(0), persistent=False)
+        if spec.draft_token_ids:
+            self.register_buffer("d2t", d2t_offsets(spec.draft_token_ids))
+            self.register_buffer("t2d", t2d_mask(spec.draft_token_ids, spec.vocab_size))
+            self.register_buffer("draft_ids", torch.tensor(spec.draft_token_ids, dtype=torch.long), persistent=False)
+        else:
+            self.d2t = self.t2d = self.draft_ids = None
+
+    def init_linear_weights(self, std: float = 0.02) -> None:
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and name != "lm_head":
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def load_verifier_tensors(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed_weight)
+            self.verifier_head = lm_head_weight.to(self.embed_tokens.weight.dtype)
+            rows = lm_head_weight if self.draft_ids is None else lm_head_weight[self.draft_ids]
+            self.lm_head.weight.copy_(rows)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> the verifier's token ids (identity without pruning)."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The verifier's full-vocabulary logits from its post-norm final hidden state."""
+        return nn.functional.linear(last_hidden, self.verifier_head.to(last_hidden.dtype))
+
+    def to_draft_vocab(self, full_logits: torch.Tensor) -> torch.Tensor:
+        return full_logits if self.draft_ids is None else full_logits[..., self.draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.state_dict().items() if k not in self.FROZEN}
 
 
 def _model_parts(model_type: str):

@@ -81,11 +81,11 @@ def run_regenerate(ctx: Context, train_prompts: datasets.Dataset) -> datasets.Da
 
 
 def capture_layer_ids(ctx: Context, num_verifier_layers: int) -> list[int]:
-    """The drafter's aux layers plus the last layer (its post-norm state gives the training targets)."""
-    from pipeline.drafters.build import default_aux_layer_ids
+    """Every layer any drafter reads by default (or the configured aux layers), plus the last layer, whose
+    post-norm state gives the training targets."""
+    from pipeline.drafters.build import store_layer_ids
 
-    aux = list(ctx.cfg.drafter.aux_layer_ids or default_aux_layer_ids(num_verifier_layers))
-    return sorted(set(aux) | {num_verifier_layers})
+    return store_layer_ids(ctx.cfg.drafter.aux_layer_ids, num_verifier_layers)
 
 
 def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:

@@ -18,7 +18,6 @@ from pipeline.evaluation.metrics import expected_tau
 from pipeline.training import dist
 from pipeline.training.checkpoint import save_checkpoint
 from pipeline.tracking import log_metric_batch
-from pipeline.training.step import peagle_loss
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,8 +175,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         for _ in range(training["grad_accum_steps"]):
             epoch, batch = next(stream)
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
-                loss, correct, total = peagle_loss(engine.module, batch, config["keep_decay"], generator,
-                                                    config["max_anchors"])
+                loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
             engine.backward_and_step(loss / (1 if engine.uses_deepspeed else training["grad_accum_steps"]))
             loss_sum += loss.detach().float()
             correct_sum, total_sum = correct_sum + correct, total_sum + total

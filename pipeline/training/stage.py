@@ -10,8 +10,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pipeline.context import Context
-from pipeline.data.store import verify_store
+from pipeline.data.store import iter_trained_tokens, verify_store
 from pipeline.drafters.build import default_mask_token_id, make_spec
+from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.training.checkpoint import STATE_FILE
@@ -30,6 +31,10 @@ def _spec(ctx: Context, manifest: dict):
     missing = [i for i in spec.aux_layer_ids if i not in manifest["layer_ids"]]
     if missing:
         raise PipelineError(f"drafter.aux_layer_ids: layers {missing} are not in the store ({manifest['layer_ids']})")
+    if ctx.cfg.drafter.draft_vocab_size:
+        keep = [t for t in (tokenizer.eos_token_id,) if t is not None]
+        spec.draft_token_ids = most_frequent_tokens(iter_trained_tokens(ctx.paths.store, manifest), spec.vocab_size,
+                                                    int(ctx.cfg.drafter.draft_vocab_size), keep)
     return spec
 
 
@@ -62,8 +67,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "spec": spec.to_dict(),
         "store_dir": str(store),
         "last_layer_id": manifest["num_verifier_layers"],
-        "keep_decay": float(cfg.drafter.depth_keep_decay),
-        "max_anchors": cfg.drafter.max_anchors,
+        "drafter": OmegaConf.to_container(cfg.drafter, resolve=True),
         "training": OmegaConf.to_container(cfg.training, resolve=True),
         "deepspeed": OmegaConf.to_container(cfg.deepspeed, resolve=True),
         "tracking_uri": ctx.tracker.uri if ctx.tracker else None,

@@ -7,25 +7,8 @@ import itertools
 import pytest
 import torch
 
-from pipeline.drafters.build import build_drafter
-from pipeline.drafters.common import DrafterSpec
-from pipeline.drafters.peagle.data import attention_allowed, inference_rows, sample_training_rows
-from pipeline.training.step import peagle_loss
-
-HIDDEN, VOCAB = 32, 50
-
-
-def tiny_spec(num_drafts: int = 4) -> DrafterSpec:
-    layer = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
-             "max_position_embeddings": 256}
-    return DrafterSpec(algorithm="peagle", verifier_name="tiny", verifier_path="-", transformer_layer_config=layer,
-                       aux_layer_ids=[1, 2, 3], num_speculative_tokens=num_drafts, mask_token_id=VOCAB - 1)
-
-
-def tiny_drafter(num_drafts: int = 4):
-    torch.manual_seed(0)
-    return build_drafter(tiny_spec(num_drafts), (torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN))).float()
+from pipeline.drafters.chains import attention_allowed, inference_rows, sample_training_rows
+from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter
 
 
 def brute_force_allowed(anchors, depths):
@@ -146,7 +129,7 @@ def test_loss_falls_and_only_trainable_weights_move():
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for step in range(40):
-        loss, correct, total = peagle_loss(model, samples, 0.8, torch.Generator().manual_seed(step))
+        loss, correct, total = model.training_loss(samples, OPTIONS, torch.Generator().manual_seed(step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -164,4 +147,4 @@ def test_loss_falls_and_only_trainable_weights_move():
 def test_default_aux_layers_are_eagle3s_and_always_distinct(layers, expected):
     from pipeline.drafters.build import default_aux_layer_ids
 
-    assert default_aux_layer_ids(layers) == expected
+    assert default_aux_layer_ids("peagle", layers) == default_aux_layer_ids("eagle3", layers) == expected

@@ -7,8 +7,7 @@ import itertools
 import torch
 
 from pipeline.training.loop import Engine, batches, deepspeed_config, warmup_cosine
-from pipeline.training.step import peagle_loss
-from tests.unit.test_peagle import HIDDEN, VOCAB, tiny_drafter
+from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter
 
 TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
             "warmup_steps": 2, "max_steps": 10}
@@ -48,7 +47,7 @@ def test_plain_engine_steps_and_follows_the_schedule():
     before = model.fc.weight.detach().clone()
     lrs = []
     for _ in range(3):
-        loss, _, _ = peagle_loss(engine.module, [sample], 0.8)
+        loss, _, _ = engine.module.training_loss([sample], OPTIONS)
         engine.backward_and_step(loss)
         lrs.append(engine.lr())
     assert not torch.equal(before, model.fc.weight)

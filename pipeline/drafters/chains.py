@@ -1,8 +1,10 @@
-"""P-EAGLE's row layout: which (anchor, depth) rows a forward computes, and who may attend to whom.
+"""The EAGLE family's row layout: which (anchor, depth) rows a forward computes, and who may attend to whom.
 
-Row (a, d) drafts the token at sequence position a + 2 + d. Depth 0 is a real row: it reads the verifier's
-features at position a and the embedding of token a + 1. Depth d > 0 is a parallel row of anchor a's chain: it
-reads the learned mask hidden state and the mask token, at rotary position a + d.
+Row (a, d) drafts the token at sequence position a + 2 + d, at rotary position a + d. Depth 0 is a real row: it
+reads the verifier's features at position a and the embedding of token a + 1. Depth d > 0 is a row of anchor a's
+draft chain: in P-EAGLE it reads the learned mask hidden state and the mask token (all depths in one forward); in
+EAGLE-3 it reads the previous depth's output and token a + 1 + d (training-time test, one depth per step). Both
+share this mask, which is also what speculators builds (its P-EAGLE mask and EAGLE-3's diagonal TTT extension).
 """
 
 from __future__ import annotations

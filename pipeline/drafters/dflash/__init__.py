@@ -1,0 +1,3 @@
+from pipeline.drafters.dflash.model import DFlashDrafter
+
+__all__ = ["DFlashDrafter"]

@@ -1,0 +1,52 @@
+"""DFlash's block layout: which anchors a training step denoises, who may attend to whom, and the loss weights.
+
+A block anchored at position p holds [token p ; mask tokens] at rotary positions p .. p + B - 1 and sees the
+verifier's features of positions < p (the context the verifier has processed when token p is its newest
+output). Inside a block attention is bidirectional, as in the paper (causal as an option). Math only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sample_anchors(loss_mask: torch.Tensor, block_size: int, first_target_offset: int, max_anchors: int | None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted random anchors of one sequence (sequence-length sparsification): positions p >= 1 whose first
+    drafted token p + first_target_offset is an assistant token inside the sequence."""
+    length = int(loss_mask.shape[0])
+    positions = torch.arange(1, max(length - first_target_offset, 1))
+    positions = positions[loss_mask[positions + first_target_offset].bool()] if positions.numel() else positions
+    if max_anchors is not None and positions.numel() > max_anchors:
+        positions = positions[torch.randperm(positions.numel(), generator=generator)[:max_anchors]]
+    return positions.sort().values
+
+
+def block_attention_allowed(context_length: int, anchors: torch.Tensor, anchor_valid: torch.Tensor,
+                            block_size: int, causal: bool) -> torch.Tensor:
+    """[B, N*bs, T + N*bs] bool: block query -> (context keys, then every block's keys).
+
+    A query of the block anchored at p sees context positions < p and its own block (bidirectionally, or
+    slots <= its own when causal); padded blocks see only their own slot so softmax stays finite.
+    """
+    batch, num_blocks = anchors.shape
+    slots = num_blocks * block_size
+    query_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, N*bs]
+    context = torch.arange(context_length)[None, None, :] < query_anchor[:, :, None]  # [B, N*bs, T]
+    block_of = torch.arange(slots) // block_size
+    slot_of = torch.arange(slots) % block_size
+    same_block = block_of[:, None] == block_of[None, :]
+    if causal:
+        same_block = same_block & (slot_of[None, :] <= slot_of[:, None])
+    valid = anchor_valid.repeat_interleave(block_size, dim=1)  # [B, N*bs]
+    context = context & valid[:, :, None]
+    within = same_block[None] & valid[:, :, None] & valid[:, None, :]
+    within = within | (torch.eye(slots, dtype=torch.bool)[None] & ~valid[:, :, None])
+    return torch.cat([context, within], dim=-1)
+
+
+def position_decay(num_drafts: int, gamma: float) -> torch.Tensor:
+    """DFlash's loss weight per draft index j (0 = nearest): exp(-j / gamma), so near positions dominate."""
+    return torch.tensor([math.exp(-j / gamma) for j in range(num_drafts)])

@@ -1,0 +1,199 @@
+"""DFlash: block diffusion drafting. Math only.
+
+The verifier's features from several layers are fused (``fc``, ``hidden_norm``) into one context state per
+position and injected into every drafter layer's keys and values, placed before the block's own. A block
+[anchor token ; B - 1 mask tokens] is denoised in one forward; slot k (k >= 1) drafts token p + k. Layers are
+Qwen3-style (q_norm / k_norm) whatever the verifier, which is the layout speculators and vLLM load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
+from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
+from pipeline.losses.distill import distill_rows, pad_stack
+
+QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act",
+              "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; block], k_norm on both, RoPE at their positions."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = qwen3.Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = qwen3.Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], count, self.head_dim)
+
+    def forward(self, block: torch.Tensor, context: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary  # [B, T + S, hd]: context positions, then block positions
+        slots = block.shape[1]
+        q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
+        keys_in = torch.cat([context, block], dim=1)
+        k = self.k_norm(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
+        q, _ = qwen3.apply_rotary_pos_emb(q, q, cos[:, -slots:], sin[:, -slots:])
+        k, _ = qwen3.apply_rotary_pos_emb(k, k, cos, sin)
+        repeat = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nH, S, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = qwen3.Qwen3MLP(config)
+        self.input_layernorm = qwen3.Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = qwen3.Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, context, rotary, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, rotary, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(DrafterBase):
+    algorithm = "dflash"
+    # Slot k drafts token p + k + this: DFlash's slot 0 is the known anchor token; DSpark samples from it too.
+    sample_from_anchor = False
+    extra_keys = ("causal_block",)
+
+    def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
+        super().__init__(spec)
+        config = spec.layer_config()
+        hidden = spec.hidden_size
+        self.block_size = self.block_size_for(spec.num_speculative_tokens, self.sample_from_anchor)
+        self.causal_block = bool(spec.extra.get("causal_block", False))
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = qwen3.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(spec.num_layers))
+        self.norm = qwen3.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = qwen3.Qwen3RotaryEmbedding(config)
+        self.init_linear_weights(init_std)
+
+    @staticmethod
+    def block_size_for(num_drafts: int, sample_from_anchor: bool) -> int:
+        return num_drafts if sample_from_anchor else num_drafts + 1
+
+    @staticmethod
+    def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
+        """Five layers spread from the second to the third-from-last (the paper fuses several, evenly spaced)."""
+        n = num_verifier_layers
+        first, last = min(1, n), max(n - 3, 1)
+        count = min(5, last - first + 1)
+        ids = sorted({round(first + i * (last - first) / max(count - 1, 1)) for i in range(count)})
+        return ids
+
+    @staticmethod
+    def adapt_layer_config(verifier_layer_config: dict[str, Any]) -> dict[str, Any]:
+        """The verifier's sizes in a Qwen3 layer config: the only DFlash layer layout vLLM implements."""
+        values = {k: verifier_layer_config[k] for k in QWEN3_KEYS if k in verifier_layer_config}
+        values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
+        return {"model_type": "qwen3", **values, "attention_bias": False, "tie_word_embeddings": False}
+
+    def context_states(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(aux_hidden))
+
+    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                anchor_valid: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, A*H] (positions 0..T-1), input_ids [B, >= max anchor + 1], anchors/valid [B, N]
+        -> normed hidden [B, N*bs, H] of every block slot."""
+        batch, context_length = aux_hidden.shape[:2]
+        bs = self.block_size
+        anchor_tokens = torch.gather(input_ids, 1, anchors)  # [B, N]
+        tokens = torch.full((batch, anchors.shape[1], bs), self.spec.mask_token_id, dtype=torch.long,
+                            device=input_ids.device)
+        tokens[:, :, 0] = anchor_tokens
+        x = self.embed_tokens(tokens.flatten(1)).to(aux_hidden.dtype)  # [B, N*bs, H]
+        context = self.context_states(aux_hidden)
+        block_positions = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).flatten(1)
+        positions = torch.cat([torch.arange(context_length, device=anchors.device).expand(batch, -1),
+                               block_positions], dim=1)
+        rotary = self.rotary_emb(x, positions)
+        allowed = block_attention_allowed(context_length, anchors, anchor_valid, bs, self.causal_block)
+        mask = additive_mask(allowed, x.dtype)
+        for layer in self.layers:
+            x = layer(x, context, rotary, mask)
+        return self.norm(x)
+
+    def correct_logits(self, logits: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """Hook for an autoregressive correction from the previous token (DSpark); DFlash has none."""
+        return logits
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the slots that draft: [.., bs, H] -> [.., K, Vd]."""
+        first = 0 if self.sample_from_anchor else 1
+        return self.lm_head(hidden[..., first:, :])
+
+    @torch.no_grad()
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """One block after the context: aux [1, T, A*H], next_ids [1, T] (its last entry is token T, the anchor)."""
+        context_length = aux_hidden.shape[1]
+        input_ids = torch.cat([next_ids[:, :1], next_ids], dim=1)  # token t at index t (index 0 unused)
+        anchors = torch.tensor([[context_length]], device=aux_hidden.device)
+        hidden = self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
+        return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_drafts]
+
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+                      generator: torch.Generator | None = None):
+        return block_loss(self, samples, options, generator)[:3]
+
+
+def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+               generator: torch.Generator | None = None):
+    """Position-decayed distillation over random anchor blocks.
+
+    Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's heads need.
+    """
+    num_drafts, bs = model.spec.num_speculative_tokens, model.block_size
+    shift = 1 if model.sample_from_anchor else 0  # draft j of block p is token p + 1 + j
+    anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options.get("max_anchors"), generator) for s in samples]
+    if all(a.numel() == 0 for a in anchor_lists):
+        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        zeros = torch.zeros(num_drafts, dtype=torch.long)
+        return zero, zeros, zeros.clone(), None
+    anchors = pad_stack([a if a.numel() else torch.zeros(1, dtype=torch.long) for a in anchor_lists], 0)  # [B, N]
+    anchor_valid = pad_stack([torch.ones(max(a.numel(), 1), dtype=torch.bool) & (a.numel() > 0)
+                              for a in anchor_lists], False)
+    aux = pad_stack([s["aux"].float() for s in samples], 0.0)
+    input_ids = pad_stack([s["input_ids"] for s in samples], 0)
+    loss_mask = pad_stack([s["loss_mask"] for s in samples], 0)
+    last = pad_stack([s["last"].float() for s in samples], 0.0)
+    hidden = model(aux, input_ids, anchors, anchor_valid)  # [B, N*bs, H]
+    hidden = hidden.view(*anchors.shape, bs, -1)[:, :, 1 - shift:]  # [B, N, K, H]: drafting slots only
+
+    draft_index = torch.arange(num_drafts)
+    target_pos = anchors[:, :, None] + 1 + draft_index  # [B, N, K]
+    length = input_ids.shape[1]
+    inside = target_pos < length
+    trainable = anchor_valid[:, :, None] & inside & torch.gather(
+        loss_mask, 1, target_pos.clamp(max=length - 1).flatten(1)).view_as(target_pos).bool()
+    b, n, j = trainable.nonzero(as_tuple=True)
+    previous = input_ids[b, target_pos[b, n, j] - 1]  # the token before each drafted one (teacher forcing)
+    with torch.no_grad():
+        teacher = model.teacher_logits(last[b, target_pos[b, n, j] - 1])  # verifier's view one position earlier
+    rows = hidden[b, n, j]  # [M, H]
+    student = model.correct_logits(model.lm_head(rows), previous)
+    weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0))[j]
+    loss, correct, total = distill_rows(model, student, teacher, j, weights)
+    extras = {"hidden": rows, "previous": previous, "student": student, "teacher": teacher, "weights": weights}
+    return loss, correct, total, extras

@@ -1,0 +1,3 @@
+from pipeline.drafters.dspark.model import DSparkDrafter
+
+__all__ = ["DSparkDrafter"]

@@ -1,0 +1,106 @@
+"""DSpark: the DFlash backbone plus two light heads. Math only.
+
+- A Markov correction head: a low-rank logit bias from the previous token, W2 · W1[prev], applied sequentially
+  at decoding time (each draft conditions on the one before it) and with the true previous token in training.
+- A confidence head trained to predict the chance a draft is accepted, target 1 - TV(draft, verifier). It is used:
+  decoding keeps drafts only while the product of their confidences stays above ``confidence_threshold``, so
+  drafts unlikely to be accepted never reach the verifier.
+
+As in speculators' DSpark, every block slot drafts (sample_from_anchor): slot k of the block at p drafts p + k + 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.dflash.model import DFlashDrafter, block_loss
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as plain DFlash
+
+    def forward(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(previous_tokens))
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)  # logit of P(accepted)
+
+
+class DSparkDrafter(DFlashDrafter):
+    algorithm = "dspark"
+    sample_from_anchor = True
+    extra_keys = ("causal_block", "markov_rank", "confidence_threshold")
+
+    def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
+        super().__init__(spec, init_std)
+        rank = int(spec.extra.get("markov_rank", 64))
+        self.markov_head = MarkovHead(spec.vocab_size, spec.draft_vocab_size, rank)
+        self.confidence_head = ConfidenceHead(spec.hidden_size + rank)
+        self.confidence_threshold = float(spec.extra.get("confidence_threshold", 0.0))
+
+    def correct_logits(self, logits: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
+        return logits + self.markov_head(previous_tokens).to(logits.dtype)
+
+    def confidence_logits(self, hidden: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
+        features = torch.cat([hidden, self.markov_head.markov_w1(previous_tokens).to(hidden.dtype)], dim=-1)
+        return self.confidence_head(features)
+
+    @torch.no_grad()
+    def draft_with_confidence(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int):
+        """(all K drafts as target ids, their confidences): base logits in one forward, then the Markov bias and
+        the confidence one draft at a time, each conditioned on the draft before it."""
+        context_length = aux_hidden.shape[1]
+        input_ids = torch.cat([next_ids[:, :1], next_ids], dim=1)
+        anchors = torch.tensor([[context_length]], device=aux_hidden.device)
+        hidden = self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
+        base = self.draft_logits(hidden)[:num_drafts]  # [K, Vd]
+        previous = next_ids[0, -1]
+        drafts, confidences = [], []
+        for k in range(base.shape[0]):
+            confidences.append(torch.sigmoid(self.confidence_logits(hidden[k], previous)))
+            previous = self.to_target_ids(self.correct_logits(base[k], previous).argmax())
+            drafts.append(previous)
+        return torch.stack(drafts), torch.stack(confidences)
+
+    @torch.no_grad()
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        drafts, confidences = self.draft_with_confidence(aux_hidden, next_ids, num_drafts)
+        return drafts[: keep_count(confidences, self.confidence_threshold)]
+
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+                      generator: torch.Generator | None = None):
+        loss, correct, total, extras = block_loss(self, samples, options, generator)
+        if extras is None:
+            return loss, correct, total
+        with torch.no_grad():
+            student = F.softmax(extras["student"].float(), dim=-1)
+            teacher = F.softmax(self.to_draft_vocab(extras["teacher"]).float(), dim=-1)
+            acceptance = 1.0 - 0.5 * (student - teacher).abs().sum(dim=-1)  # 1 - total variation
+        logits = self.confidence_logits(extras["hidden"], extras["previous"]).float()
+        per_row = F.binary_cross_entropy_with_logits(logits, acceptance, reduction="none")
+        weights = extras["weights"]
+        confidence_loss = (per_row * weights).sum() / weights.sum()
+        return loss + float(options.get("confidence_loss_weight", 1.0)) * confidence_loss, correct, total
+
+
+def keep_count(confidences: torch.Tensor, threshold: float) -> int:
+    """How many leading drafts to send: while the chance that all of them are accepted (the product of their
+    confidences) stays at or above the threshold; always at least one."""
+    survival = torch.cumprod(confidences.float(), dim=0)
+    return max(1, int((survival >= threshold).sum()))

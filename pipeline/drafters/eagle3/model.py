@@ -1,0 +1,76 @@
+"""EAGLE-3: one decoder layer over [token embedding ; fused verifier features], drafting one token per step.
+
+Depth d > 0 reads the drafter's own pre-norm output at depth d - 1 (no ``fc``: it is already H wide) and the
+token a + 1 + d. Training runs the same K sequential steps (training-time test) with the ground-truth tokens, as
+speculators does; at inference the tokens are the drafter's own greedy picks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.drafters.chains import inference_rows
+from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.eagle_family import EagleFamilyDrafter
+
+
+def parent_rows(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, R] index of row (anchor, depth - 1) for each row (itself for depth 0 and padding rows)."""
+    batch, rows = anchors.shape
+    span = int(anchors.max()) + 1
+    table = torch.zeros(batch, int(depths.max()) + 1, span, dtype=torch.long)
+    row_ids = torch.arange(rows).expand(batch, rows)
+    batch_ids = torch.arange(batch)[:, None].expand(batch, rows)
+    table[batch_ids[valid], depths[valid], anchors[valid]] = row_ids[valid]
+    parents = table[batch_ids, (depths - 1).clamp_min(0), anchors]
+    return torch.where((depths > 0) & valid, parents, row_ids)
+
+
+class Eagle3Drafter(EagleFamilyDrafter):
+    algorithm = "eagle3"
+    sparsifies_depth = False
+
+    def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
+        super().__init__(spec)
+        self.init_linear_weights(init_std)
+
+    def _rows_input(self, aux_hidden, next_ids, anchors, depths, chain_hidden):
+        """[B, R, 2H]: real rows get fc(features), chain rows the previous depth's output; both their token."""
+        embeds, features = self.real_row_inputs(aux_hidden, next_ids, anchors + depths)
+        real = (depths == 0)[..., None]
+        fused = self.fc(features) if chain_hidden is None else torch.where(real, self.fc(features), chain_hidden)
+        return torch.cat([embeds.to(fused.dtype), fused], dim=-1)
+
+    def forward(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, anchors: torch.Tensor,
+                depths: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Training-time test over all rows: normed hidden [B, R, H].
+
+        Step s computes correct outputs for every row of depth <= s (a row sees only rows of lower or equal depth),
+        so after step s the depth-(s+1) rows can take their parents' outputs as input.
+        """
+        parents = parent_rows(anchors, depths, valid)
+        chain_hidden = None
+        for _ in range(int(depths.max()) + 1):
+            out = self.run_layers(self._rows_input(aux_hidden, next_ids, anchors, depths, chain_hidden),
+                                  anchors, depths, valid)
+            chain_hidden = torch.gather(out, 1, parents[..., None].expand_as(out))
+        return self.norm(out)
+
+    @torch.no_grad()
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """Greedy drafts for one sequence, one forward per token: [num_drafts] target ids."""
+        context = aux_hidden.shape[1]
+        tokens = next_ids
+        drafts = []
+        chain_hidden = torch.zeros(1, context, self.spec.hidden_size, dtype=aux_hidden.dtype, device=aux_hidden.device)
+        for depth in range(num_drafts):
+            anchors, depths = (t[None].to(aux_hidden.device) for t in inference_rows(context, depth + 1))
+            valid = torch.ones_like(anchors, dtype=torch.bool)
+            out = self.run_layers(self._rows_input(aux_hidden, tokens, anchors, depths, chain_hidden),
+                                  anchors, depths, valid)  # [1, T + depth, H]
+            draft_id = self.lm_head(self.norm(out[:, -1])).argmax(dim=-1)  # [1]
+            target_id = self.to_target_ids(draft_id)
+            drafts.append(target_id)
+            tokens = torch.cat([tokens, target_id[None]], dim=1)  # row (last, depth + 1) reads this token
+            chain_hidden = torch.cat([chain_hidden, out[:, -1:]], dim=1)
+        return torch.cat(drafts)

@@ -1,0 +1,95 @@
+"""What EAGLE-3 and P-EAGLE share: fused verifier features, one or more decoder layers over (anchor, depth) rows,
+and the chain loss. Math only.
+
+The verifier's features from several layers are fused by ``fc`` into one hidden state per position and paired
+with the embedding of the next token; parameter names follow the speculators checkpoint layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.drafters.chains import attention_allowed, sample_training_rows
+from pipeline.drafters.common import DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary
+from pipeline.losses.distill import distill_rows, pad_stack
+
+
+class EagleFamilyDrafter(DrafterBase):
+    # P-EAGLE sparsifies chains along depth in training (drafter.depth_keep_decay); EAGLE-3's TTT keeps them whole.
+    sparsifies_depth = False
+
+    def __init__(self, spec: DrafterSpec):
+        super().__init__(spec)
+        config = spec.layer_config()
+        hidden, num_aux = spec.hidden_size, len(spec.aux_layer_ids)
+        self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(
+            EagleDecoderLayer(config, i, spec.norm_before_residual) for i in range(spec.num_layers)
+        )
+        self.norm = build_norm(config, hidden)
+        self.rotary_emb = build_rotary(config)
+
+    @staticmethod
+    def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
+        """EAGLE-3's default: an early, a middle and a late layer (id i = hidden state after i layers).
+
+        [2, n//2, n-3] collides on verifiers of under 7 layers; speculators and vLLM need distinct ids, so those
+        get [1, n//2, n-1].
+        """
+        n = num_verifier_layers
+        ids = [2, n // 2, n - 3]
+        return ids if len(set(ids)) == 3 and ids[0] < ids[1] else [1, n // 2, n - 1]
+
+    def real_row_inputs(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, anchors: torch.Tensor):
+        """(token embedding, fused verifier features) of each row's anchor position: [B, R, H] each."""
+        index = anchors.clamp(0, aux_hidden.shape[1] - 1)
+        features = torch.gather(aux_hidden, 1, index[..., None].expand(-1, -1, aux_hidden.shape[-1]))
+        tokens = torch.gather(next_ids, 1, index.clamp(max=next_ids.shape[1] - 1))
+        return self.embed_tokens(tokens), features
+
+    def run_layers(self, x: torch.Tensor, anchors: torch.Tensor, depths: torch.Tensor,
+                   valid: torch.Tensor) -> torch.Tensor:
+        """Decoder layers over rows [B, R, 2H] -> pre-norm hidden [B, R, H]."""
+        position_embeddings = self.rotary_emb(x, anchors + depths)
+        mask = additive_mask(attention_allowed(anchors, depths, valid), x.dtype)
+        for layer in self.layers:
+            x = layer(x, position_embeddings, mask)
+        return x
+
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+                      generator: torch.Generator | None = None):
+        return chain_loss(self, samples, options, generator)
+
+
+def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples hold aux [T, A*H], last [T, H] (post-norm final hidden), input_ids [T], loss_mask [T].
+
+    Returns (loss, correct [K], total [K]) where K = the drafter's num_speculative_tokens.
+    """
+    num_depths = model.spec.num_speculative_tokens
+    keep_decay = float(options.get("depth_keep_decay", 1.0)) if model.sparsifies_depth else 1.0
+    rows = [sample_training_rows(s["loss_mask"], num_depths, keep_decay, generator, options.get("max_anchors"))
+            for s in samples]
+    anchors = pad_stack([r[0] for r in rows], 0)  # [B, R]
+    depths = pad_stack([r[1] for r in rows], 0)  # [B, R]
+    has_target = pad_stack([r[2] for r in rows], False)  # [B, R]
+    valid = pad_stack([torch.ones_like(r[0], dtype=torch.bool) for r in rows], False)  # [B, R]
+    aux = pad_stack([s["aux"].float() for s in samples], 0.0)  # [B, T, A*H]
+    next_ids = pad_stack([torch.cat([s["input_ids"][1:], s["input_ids"][:1] * 0]) for s in samples], 0)  # [B, T]
+    hidden = model(aux, next_ids, anchors, depths, valid)  # [B, R, H]
+
+    batch_index, row_index = has_target.nonzero(as_tuple=True)  # rows that draft an assistant token
+    if batch_index.numel() == 0:
+        zeros = torch.zeros(num_depths, dtype=torch.long)
+        return hidden.sum() * 0.0, zeros, zeros.clone()
+    row_anchor, row_depth = anchors[batch_index, row_index], depths[batch_index, row_index]
+    teacher_pos = row_anchor + 1 + row_depth  # the verifier position whose next-token distribution we match
+    last = pad_stack([s["last"].float() for s in samples], 0.0)  # [B, T, H]
+    with torch.no_grad():
+        teacher = model.teacher_logits(last[batch_index, teacher_pos])  # [N, V]
+    student = model.lm_head(hidden[batch_index, row_index])  # [N, Vd]
+    return distill_rows(model, student, teacher, row_depth)

@@ -1,0 +1,44 @@
+"""Tiny random drafters of every algorithm for CPU unit tests (a 32-wide llama-shaped verifier, 50 tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.drafters import DRAFTERS
+from pipeline.drafters.build import build_drafter
+from pipeline.drafters.common import DrafterSpec
+
+HIDDEN, VOCAB = 32, 50
+ALGORITHMS = sorted(DRAFTERS)
+OPTIONS = {"depth_keep_decay": 0.8, "max_anchors": 8, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0}
+
+
+def tiny_spec(algorithm: str = "peagle", num_drafts: int = 4, draft_token_ids=None, **extra) -> DrafterSpec:
+    layer = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
+             "max_position_embeddings": 256}
+    cls = DRAFTERS[algorithm]
+    defaults = {"causal_block": False, "markov_rank": 8, "confidence_threshold": 0.0}
+    values = {**defaults, **extra}
+    return DrafterSpec(algorithm=algorithm, verifier_name="tiny", verifier_path="-",
+                       transformer_layer_config=cls.adapt_layer_config(layer), aux_layer_ids=[1, 2, 3],
+                       num_speculative_tokens=num_drafts, mask_token_id=VOCAB - 1, draft_token_ids=draft_token_ids,
+                       extra={k: values[k] for k in cls.extra_keys})
+
+
+def verifier_tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, HIDDEN, generator=generator), torch.randn(VOCAB, HIDDEN, generator=generator)
+
+
+def tiny_drafter(algorithm: str = "peagle", num_drafts: int = 4, **kwargs):
+    torch.manual_seed(0)
+    return build_drafter(tiny_spec(algorithm, num_drafts, **kwargs), verifier_tensors()).float()
+
+
+def tiny_samples(count: int = 2, length: int = 24, prompt: int = 6, seed: int = 5) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"aux": torch.randn(length, 3 * HIDDEN, generator=generator),
+             "last": torch.randn(length, HIDDEN, generator=generator) * 3,
+             "input_ids": torch.randint(0, VOCAB - 1, (length,), generator=generator),
+             "loss_mask": torch.tensor([0] * prompt + [1] * (length - prompt))} for _ in range(count)]
