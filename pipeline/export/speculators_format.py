@@ -14,16 +14,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.vocab import ids_from_d2t
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder
 
 SPECULATORS_VERSION = "0.9.0"
 EXPORT_DTYPE = torch.bfloat16
-ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
-NOT_EXPORTED = ("embed_tokens.weight",)
+ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator", "dflash": "DFlashDraftModel",
+                 "dspark": "DSparkDraftModel"}
+EAGLE_FAMILY, BLOCK_FAMILY = ("eagle3", "peagle"), ("dflash", "dspark")
+# speculators' EAGLE-3/P-EAGLE loaders take the embedding from the checkpoint (a missing one stays zeros), so the
+# EAGLE family ships it; its DFlash/DSpark loaders always copy the verifier's. vLLM accepts both.
+NOT_EXPORTED = {"eagle3": (), "peagle": (), "dflash": ("embed_tokens.weight",), "dspark": ("embed_tokens.weight",)}
 
 
-def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
+def speculators_config(spec: DrafterSpec, dtype: torch.dtype = EXPORT_DTYPE) -> dict[str, Any]:
     layer_config = dict(spec.transformer_layer_config, num_hidden_layers=spec.num_layers)
     config = {
         "architectures": [ARCHITECTURES[spec.algorithm]],
@@ -38,19 +43,47 @@ def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
                          "architectures": [_verifier_architecture(spec)]},
         },
         "transformer_layer_config": layer_config,
-        "draft_vocab_size": spec.draft_vocab_size or spec.vocab_size,
+        "draft_vocab_size": spec.draft_vocab_size,
         "target_hidden_size": spec.hidden_size,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    config.update(_eagle_fields(spec) if spec.algorithm in EAGLE_FAMILY else _block_fields(spec))
+    return config
+
+
+def _eagle_fields(spec: DrafterSpec) -> dict[str, Any]:
+    fields = {
         "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
         # vLLM assumes True when absent, speculators False: always write it.
         "norm_before_residual": spec.norm_before_residual,
         "norm_before_fc": False,
         "fc_norm": False,
         "norm_output": False,
-        "torch_dtype": "bfloat16",
     }
     if spec.algorithm == "peagle":
-        config["mask_token_id"] = spec.mask_token_id
-    return config
+        fields["mask_token_id"] = spec.mask_token_id
+    return fields
+
+
+def _block_fields(spec: DrafterSpec) -> dict[str, Any]:
+    from pipeline.drafters import drafter_class
+
+    cls = drafter_class(spec.algorithm)
+    fields = {
+        "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+        "block_size": cls.block_size_for(spec.num_speculative_tokens, cls.sample_from_anchor),
+        "mask_token_id": spec.mask_token_id,
+        "sample_from_anchor": cls.sample_from_anchor,
+        # vLLM reads this flag as "the block is bidirectional" for every layer (speculators only for sliding-window
+        # layers; its full-attention layers are always bidirectional), so write the block's true shape.
+        "sliding_window_non_causal": not spec.extra.get("causal_block", False),
+    }
+    if spec.algorithm == "dspark":
+        fields.update({"markov_rank": int(spec.extra["markov_rank"]), "markov_head_type": "vanilla",
+                       "enable_confidence_head": True, "confidence_head_with_markov": True,
+                       # ours: the decoding-time truncation threshold (speculators and vLLM ignore it)
+                       "confidence_threshold": float(spec.extra.get("confidence_threshold", 0.0))})
+    return fields
 
 
 def _verifier_architecture(spec: DrafterSpec) -> str:
@@ -73,31 +106,45 @@ def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype 
         raise PipelineError(f"export: no speculators layout for drafter '{spec.algorithm}'")
     if spec.algorithm == "peagle" and "mask_hidden" not in model.state_dict():
         raise PipelineError("export: a P-EAGLE checkpoint needs mask_hidden (vLLM refuses to load without it)")
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in NOT_EXPORTED}
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
+               for k, v in model.state_dict().items() if k not in NOT_EXPORTED[spec.algorithm]}
     with atomic_folder(target) as staging:
-        (staging / "config.json").write_text(json.dumps(speculators_config(spec), indent=2))
+        (staging / "config.json").write_text(json.dumps(speculators_config(spec, dtype), indent=2))
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     return target
 
 
-def spec_from_speculators(config: dict[str, Any], verifier_path: str | None = None) -> DrafterSpec:
+def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tensor],
+                          verifier_path: str | None = None) -> DrafterSpec:
     for key in ("speculators_model_type", "transformer_layer_config", "speculators_config"):
         if key not in config:
             raise PipelineError(f"checkpoint config.json: missing '{key}'")
+    algorithm = config["speculators_model_type"]
+    if algorithm not in ARCHITECTURES:
+        raise PipelineError(f"checkpoint config.json: speculators_model_type '{algorithm}' is not one of "
+                            f"{sorted(ARCHITECTURES)}")
     layer_config = dict(config["transformer_layer_config"])
     num_layers = int(layer_config.get("num_hidden_layers", 1))
     verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    aux_key = "eagle_aux_hidden_state_layer_ids" if algorithm in EAGLE_FAMILY else "aux_hidden_state_layer_ids"
+    extra = {}
+    if algorithm in BLOCK_FAMILY:
+        extra["causal_block"] = not config.get("sliding_window_non_causal", True)
+    if algorithm == "dspark":
+        extra.update(markov_rank=int(config["markov_rank"]),
+                     confidence_threshold=float(config.get("confidence_threshold", 0.0)))
     return DrafterSpec(
-        algorithm=config["speculators_model_type"],
+        algorithm=algorithm,
         verifier_name=verifier,
         verifier_path=verifier_path or verifier,
         transformer_layer_config=layer_config,
-        aux_layer_ids=list(config["eagle_aux_hidden_state_layer_ids"]),
+        aux_layer_ids=list(config[aux_key]),
         num_speculative_tokens=int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
-        mask_token_id=int(config.get("mask_token_id", 0)),
+        mask_token_id=int(config.get("mask_token_id") or 0),
         num_layers=num_layers,
         norm_before_residual=bool(config.get("norm_before_residual", False)),
-        draft_vocab_size=config.get("draft_vocab_size"),
+        draft_token_ids=ids_from_d2t(weights["d2t"]) if "d2t" in weights else None,
+        extra=extra,
     )
 
 
@@ -107,13 +154,12 @@ def load_speculators(folder: Path, verifier_path: str | None = None):
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    spec = spec_from_speculators(config, verifier_path)
-    if spec.draft_vocab_size == spec.vocab_size:
-        spec.draft_vocab_size = None
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in
+               load_file(str(folder / "model.safetensors")).items()}
+    spec = spec_from_speculators(config, weights, verifier_path)
     model = build_drafter(spec)
-    weights = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    if [k for k in missing if k not in NOT_EXPORTED] or unexpected:
+    if [k for k in missing if k not in NOT_EXPORTED[spec.algorithm]] or unexpected:
         raise PipelineError(f"checkpoint: '{folder}' does not match {spec.algorithm}: missing {missing}, "
                             f"unexpected {unexpected}")
     return model.eval()

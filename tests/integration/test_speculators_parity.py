@@ -1,0 +1,179 @@
+"""The speculators package (0.9.0) loads each of our exports with its own from_pretrained, and its forward on the
+same inputs gives our draft logits within 1e-4 (fp32).
+
+Where ours differs by design the test sets the matching option: speculators has no causal full-attention block
+for DFlash (its full-attention layers are always bidirectional, as ours are by default), and DSpark's
+confidence truncation is a decoding choice of ours that no forward sees. Their random anchor / chain sampling is
+replaced by ours so both compute the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.config.schema import DrafterConfig
+from pipeline.drafters.build import build_drafter, make_spec, verifier_head_tensors
+from pipeline.drafters.chains import sample_training_rows
+from pipeline.drafters.dflash.blocks import sample_anchors
+from pipeline.export.speculators_format import NOT_EXPORTED, export_speculators, load_speculators
+
+TOLERANCE = 1e-4
+LENGTH, K = 20, 3
+
+
+@pytest.fixture(scope="module")
+def verifier_config(tiny_verifier_path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_verifier_path)
+
+
+def _ours(algorithm, verifier_config, verifier_path, **overrides):
+    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": K,
+                                                               "markov_rank": 8, **overrides})
+    spec = make_spec(cfg, verifier_config, "tiny", verifier_path, default_mask_token_id=0)
+    torch.manual_seed(1)
+    model = build_drafter(spec, verifier_head_tensors(verifier_path)).float().eval()
+    with torch.no_grad():  # move every trainable tensor off its init so norms and biases are really compared
+        for name, tensor in model.named_parameters():
+            if tensor.requires_grad:
+                tensor.add_(torch.randn_like(tensor) * 0.05)
+    return model
+
+
+def _theirs(folder):
+    from speculators import SpeculatorModel
+    from speculators.config import SpeculatorModelConfig
+
+    config = SpeculatorModelConfig.from_pretrained(str(folder))  # their pydantic schema validates ours
+    config.transformer_layer_config._attn_implementation = "eager"
+    return SpeculatorModel.from_pretrained(str(folder), config=config).float().eval()
+
+
+def _capture_outputs(module):
+    outputs = []
+    handle = module.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach()))
+    return outputs, handle
+
+
+def _inputs(hidden_size, vocab_size, num_aux=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, LENGTH, num_aux * hidden_size, generator=generator)
+    ids = torch.randint(0, vocab_size, (1, LENGTH), generator=generator)
+    last = torch.randn(1, LENGTH, hidden_size, generator=generator)
+    return aux, ids, last
+
+
+def _eager_loss():
+    from speculators.losses import resolve_loss_config
+
+    return resolve_loss_config("kl_div", "eager")
+
+
+def _eager_loss_kwargs(algorithm):
+    """Their default losses are Triton kernels; the eager ones run on CPU."""
+    from speculators.losses import resolve_loss_config
+
+    kwargs = {"loss_config": _eager_loss()}
+    if algorithm == "dspark":
+        kwargs["tv_loss_fn"] = resolve_loss_config("tv", "eager")["tv"][0]
+    return kwargs
+
+
+def test_eagle3_ttt_logits_match(tmp_path, verifier_config, tiny_verifier_path):
+    ours = _ours("eagle3", verifier_config, tiny_verifier_path)
+    folder = export_speculators(ours, tmp_path / "eagle3", dtype=torch.float32)
+    theirs = _theirs(folder)
+    aux, next_ids, _ = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, seed=1)
+    logits, handle = _capture_outputs(theirs.lm_head)
+    theirs(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids), ttt_steps=K)
+    handle.remove()
+
+    anchors = torch.arange(LENGTH).repeat(K)
+    depths = torch.arange(K).repeat_interleave(LENGTH)
+    hidden = ours(aux, next_ids, anchors[None], depths[None], torch.ones(1, anchors.numel(), dtype=torch.bool))[0]
+    mine = ours.lm_head(hidden)
+    for depth in range(K):
+        inside = torch.arange(LENGTH - depth)  # their teacher-forced tokens are zero-padded past the end
+        rows = depth * LENGTH + inside
+        assert torch.allclose(mine[rows], logits[depth][0, inside], atol=TOLERANCE), depth
+
+
+def test_peagle_parallel_logits_match(tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
+    import speculators.models.peagle.core as peagle_core
+
+    ours = _ours("peagle", verifier_config, tiny_verifier_path)
+    folder = export_speculators(ours, tmp_path / "peagle", dtype=torch.float32)
+    theirs = _theirs(folder)
+    aux, next_ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, seed=2)
+    loss_mask = torch.ones(LENGTH + 1, dtype=torch.long)
+    anchors, depths, _ = sample_training_rows(loss_mask, K, 0.7, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda **_: (anchors, depths))
+    logits, handle = _capture_outputs(theirs.lm_head)
+    theirs(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids),
+           loss_mask=torch.ones_like(next_ids), verifier_last_hidden_states=last, num_depths=K,
+           loss_config=_eager_loss())
+    handle.remove()
+    hidden = ours(aux, next_ids, anchors[None], depths[None], torch.ones(1, anchors.numel(), dtype=torch.bool))[0]
+    assert torch.allclose(ours.lm_head(hidden), logits[0][0], atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_block_drafter_logits_match(algorithm, tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
+    import speculators.models.dflash.core as dflash_core
+
+    ours = _ours(algorithm, verifier_config, tiny_verifier_path, confidence_threshold=0.4)
+    folder = export_speculators(ours, tmp_path / algorithm, dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["sliding_window_non_causal"] is True  # vLLM then runs the block bidirectionally, as we train
+    theirs = _theirs(folder)
+    num_aux = len(ours.spec.aux_layer_ids)
+    aux, ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, num_aux, seed=3)
+    anchors = sample_anchors(torch.ones(LENGTH, dtype=torch.long), ours.block_size, 1, 4,
+                             torch.Generator().manual_seed(0))
+    anchors = anchors[anchors + ours.block_size <= LENGTH]  # speculators keeps blocks inside the sequence
+    monkeypatch.setattr(dflash_core, "select_anchors",
+                        lambda *_a, **_k: (anchors, torch.ones_like(anchors, dtype=torch.bool)))
+    logits, handle = _capture_outputs(theirs.lm_head)
+    confidences = []
+    if algorithm == "dspark":
+        confidences, conf_handle = _capture_outputs(theirs.confidence_head)
+    theirs(hidden_states=aux, input_ids=ids, loss_mask=torch.ones_like(ids), verifier_last_hidden_states=last,
+           document_ids=torch.zeros_like(ids), max_anchors=anchors.numel(), **_eager_loss_kwargs(algorithm))
+    handle.remove()
+
+    hidden = ours(aux, ids, anchors[None], torch.ones(1, anchors.numel(), dtype=torch.bool))[0]  # [N*bs, H]
+    assert torch.allclose(ours.lm_head(hidden), logits[0][0], atol=TOLERANCE)
+    if algorithm == "dspark":
+        conf_handle.remove()
+        previous = ids[0, (anchors[:, None] + torch.arange(ours.block_size)).flatten()]
+        assert torch.allclose(ours.confidence_logits(hidden, previous), confidences[0].reshape(-1), atol=TOLERANCE)
+        bias = theirs.markov_head.block_bias(prev_token_ids=previous[None], hidden_states=hidden[None],
+                                             prev_emb=theirs.markov_head.prev_embeddings(previous[None]))
+        assert torch.allclose(ours.correct_logits(torch.zeros(1), previous), bias[0], atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash", "dspark"])
+def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, verifier_config,
+                                                           tiny_verifier_path):
+    ours = _ours(algorithm, verifier_config, tiny_verifier_path, confidence_threshold=0.4, causal_block=True)
+    ours.spec.draft_token_ids = None
+    kept = sorted(torch.randperm(ours.spec.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist())
+    pruned_spec = type(ours.spec).from_dict({**ours.spec.to_dict(), "draft_token_ids": kept})
+    pruned = build_drafter(pruned_spec, verifier_head_tensors(tiny_verifier_path)).float()
+    shapes = {k: v.shape for k, v in pruned.state_dict().items()}
+    pruned.load_state_dict({k: v for k, v in ours.state_dict().items() if v.shape == shapes[k]}, strict=False)
+    folder = export_speculators(pruned, tmp_path / algorithm)
+    back = load_speculators(folder, tiny_verifier_path)
+    assert back.spec.draft_token_ids == kept and back.spec.extra == pruned.spec.extra
+    assert back.spec.aux_layer_ids == pruned.spec.aux_layer_ids
+    for name, tensor in pruned.state_dict().items():
+        exported = tensor.is_floating_point() and name not in NOT_EXPORTED[algorithm]  # else the verifier's
+        expected = tensor.to(torch.bfloat16).float() if exported else tensor
+        assert torch.equal(back.state_dict()[name], expected), name
+    theirs = _theirs(folder)  # speculators loads the pruned export and agrees on the vocabulary map
+    assert torch.equal(theirs.d2t, pruned.d2t) and torch.equal(theirs.t2d, pruned.t2d)
