@@ -32,8 +32,9 @@ class GreedySpeculativeDecoder:
         counts = AcceptanceCounts(self.num_drafts)
         while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_token_id:
             remaining = max_new_tokens - (len(tokens) - len(prompt))
-            proposed = min(self.num_drafts, remaining - 1)  # the bonus token always comes on top
-            drafts = self._draft(features, tokens, proposed)
+            budget = min(self.num_drafts, remaining - 1)  # the bonus token always comes on top
+            drafts = self._draft(features, tokens, budget)
+            proposed = len(drafts)  # DSpark may send fewer than asked (confidence truncation)
             greedy, new_features, cache = self._verifier_step([tokens[-1]] + drafts, cache)
             accepted = 0
             while accepted < proposed and drafts[accepted] == greedy[accepted]:
@@ -54,7 +55,7 @@ class GreedySpeculativeDecoder:
         if proposed == 0:
             return []
         next_ids = torch.tensor([tokens[1:]])  # [1, T]: token t + 1 paired with the features at t
-        return self.drafter.draft(features[None], next_ids, proposed).tolist()
+        return self.drafter.draft(features[None], next_ids, proposed).tolist()[:proposed]
 
 
 @torch.no_grad()

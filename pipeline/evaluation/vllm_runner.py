@@ -1,7 +1,7 @@
 """Run an exported speculator in vLLM and read its spec-decode counters.
 
-    python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --method eagle3 --parallel-drafting \
-        --k 4 --prompts prompts.json --out result.json [--baseline]
+    python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --k 4 --prompts prompts.json \
+        --out result.json [--baseline]
 
 vLLM forks engine processes, so it runs as its own program (this module's ``main``) rather than inside a stage.
 The verifier is passed as ``model`` and the drafter through ``speculative_config``: vLLM refuses a local verifier
@@ -15,6 +15,17 @@ import gc
 import json
 from pathlib import Path
 from typing import Any
+
+
+def speculative_config(drafter_dir: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's speculative_config for one of our exports, from its speculators_model_type."""
+    algorithm = json.loads((Path(drafter_dir) / "config.json").read_text())["speculators_model_type"]
+    config: dict[str, Any] = {"model": drafter_dir, "num_speculative_tokens": num_speculative_tokens}
+    if algorithm == "peagle":  # vLLM runs P-EAGLE as an EAGLE-3 model drafting all positions in parallel
+        config.update(method="eagle3", parallel_drafting=True)
+    else:
+        config["method"] = algorithm
+    return config
 
 
 def spec_decode_counters(llm: Any) -> dict[str, Any]:
@@ -51,8 +62,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", required=True)
     parser.add_argument("--drafter", required=True)
-    parser.add_argument("--method", default="eagle3")
-    parser.add_argument("--parallel-drafting", action="store_true")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -61,9 +70,7 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts = json.loads(Path(args.prompts).read_text())
-    speculative = {"model": args.drafter, "num_speculative_tokens": args.k, "method": args.method}
-    if args.parallel_drafting:
-        speculative["parallel_drafting"] = True
+    speculative = speculative_config(args.drafter, args.k)
     result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative)}
     if args.baseline:
         result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None)

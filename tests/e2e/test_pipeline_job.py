@@ -98,7 +98,7 @@ def test_vllm_serves_the_acceptance_the_evaluation_measured(default_run, smollm2
     out = tmp_path / "vllm.json"
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", smollm2_path,
-         "--drafter", str(next(default_run.glob("export/*"))), "--method", "eagle3", "--parallel-drafting",
+         "--drafter", str(next(default_run.glob("export/*"))),
          "--k", str(report["num_speculative_tokens"]), "--max-tokens", "64", "--prompts", str(prompts),
          "--out", str(out), "--baseline"],
         cwd=REPO, capture_output=True, text=True, timeout=900)

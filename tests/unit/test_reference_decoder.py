@@ -19,12 +19,14 @@ PROMPTS = [
 ]
 
 
-def drafter_for(verifier_path, verifier, tokenizer, num_drafts=4, seed=0):
-    from types import SimpleNamespace
+def drafter_for(verifier_path, verifier, tokenizer, num_drafts=4, seed=0, algorithm="peagle", **overrides):
+    from omegaconf import OmegaConf
+
+    from pipeline.config.schema import DrafterConfig
 
     torch.manual_seed(seed)
-    cfg = SimpleNamespace(name="peagle", aux_layer_ids=None, num_speculative_tokens=num_drafts, mask_token_id=None,
-                          num_layers=1, norm_before_residual=True)
+    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig),
+                          {"name": algorithm, "num_speculative_tokens": num_drafts, **overrides})
     spec = make_spec(cfg, verifier.config, "v", verifier_path, default_mask_token_id(tokenizer))
     return build_drafter(spec).eval()
 
@@ -46,10 +48,13 @@ def prompt_tokens(tokenizer, text):
     return prompt_ids(tokenizer, [{"role": "user", "content": text}])
 
 
-@pytest.mark.parametrize("num_drafts", [1, 3, 5])
-def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, num_drafts):
+@pytest.mark.parametrize("algorithm,num_drafts", [("peagle", 1), ("peagle", 3), ("peagle", 5), ("eagle3", 4),
+                                                  ("dflash", 4), ("dspark", 4)])
+def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algorithm, num_drafts):
     verifier, tokenizer = load_verifier(tiny_verifier_path)
-    decoder = GreedySpeculativeDecoder(verifier, drafter_for(tiny_verifier_path, verifier, tokenizer, 5), num_drafts)
+    # DSpark truncates with a threshold: blocks of varying length must stay lossless too
+    drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 5, algorithm=algorithm, confidence_threshold=0.3)
+    decoder = GreedySpeculativeDecoder(verifier, drafter, num_drafts)
     for text in PROMPTS:
         prompt = prompt_tokens(tokenizer, text)
         tokens, counts = decoder.generate(prompt, 20, tokenizer.eos_token_id)
@@ -69,9 +74,10 @@ def test_oracle_drafts_are_all_accepted(tiny_verifier_path):
     assert counts.conditional_acceptance == [1.0, 1.0, 1.0, 1.0]
 
 
-def test_lossless_on_smollm2_with_eos(smollm2_path):
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_lossless_on_smollm2_with_eos(smollm2_path, algorithm):
     verifier, tokenizer = load_verifier(smollm2_path)
-    decoder = GreedySpeculativeDecoder(verifier, drafter_for(smollm2_path, verifier, tokenizer), 4)
+    decoder = GreedySpeculativeDecoder(verifier, drafter_for(smollm2_path, verifier, tokenizer, algorithm=algorithm), 4)
     for text in PROMPTS[:2]:
         prompt = prompt_tokens(tokenizer, text)
         tokens, _ = decoder.generate(prompt, 40, tokenizer.eos_token_id)

@@ -1,0 +1,205 @@
+"""Every drafter on CPU: shapes, no information leak (by perturbation), loss falls and weights move, drafting
+equals the training forward, DFlash's block mask vs brute force, DSpark's truncation, vocabulary pruning."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
+from pipeline.drafters.dspark.model import keep_count
+from pipeline.drafters.vocab import d2t_offsets, ids_from_d2t, most_frequent_tokens, t2d_mask
+from tests.unit.tiny_drafters import ALGORITHMS, HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
+
+BLOCK_FAMILY = ["dflash", "dspark"]
+
+
+def _context(length, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, length, 3 * HIDDEN, generator=generator),
+            torch.randint(0, VOCAB - 1, (1, length), generator=generator))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_draft_shape_and_target_ids(algorithm):
+    model = tiny_drafter(algorithm)
+    aux, next_ids = _context(9, 1)
+    drafts = model.draft(aux, next_ids, 4)
+    assert drafts.shape == (4,) and drafts.dtype == torch.long and ((0 <= drafts) & (drafts < VOCAB)).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_loss_falls_and_only_trainable_weights_move(algorithm):
+    model = tiny_drafter(algorithm)
+    samples = tiny_samples()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for step in range(40):
+        loss, correct, total = model.training_loss(samples, OPTIONS, torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    after = model.state_dict()
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])
+    assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])  # the verifier's head stays frozen
+    assert torch.equal(before["embed_tokens.weight"], after["embed_tokens.weight"])
+    assert correct.shape == total.shape == (4,) and total.sum() > 0 and (correct <= total).all()
+    if algorithm == "dspark":
+        assert not torch.equal(before["markov_head.markov_w2.weight"], after["markov_head.markov_w2.weight"])
+        assert not torch.equal(before["confidence_head.proj.weight"], after["confidence_head.proj.weight"])
+
+
+def test_eagle3_changing_a_future_token_never_changes_earlier_rows():
+    from pipeline.drafters.chains import sample_training_rows
+
+    model = tiny_drafter("eagle3")
+    aux, next_ids = _context(10, 2)
+    anchors, depths, _ = sample_training_rows(torch.ones(11, dtype=torch.long), 4, 1.0,
+                                              torch.Generator().manual_seed(0))
+    valid = torch.ones(1, anchors.shape[0], dtype=torch.bool)
+    base = model(aux, next_ids, anchors[None], depths[None], valid)[0]
+    for position in (3, 6):
+        aux2, ids2 = aux.clone(), next_ids.clone()
+        aux2[0, position] += 5.0
+        ids2[0, position] = (ids2[0, position] + 7) % (VOCAB - 1)
+        changed = model(aux2, ids2, anchors[None], depths[None], valid)[0]
+        # row (a, d) reads features <= a and tokens <= a + d (teacher forcing): it may only see the change there
+        unaffected = (anchors + depths) < position
+        assert torch.allclose(base[unaffected], changed[unaffected], atol=1e-5)
+        assert not torch.allclose(base[~unaffected], changed[~unaffected], atol=1e-5)
+
+
+def test_eagle3_draft_equals_its_training_forward_fed_its_own_drafts():
+    model = tiny_drafter("eagle3")
+    aux, next_ids = _context(9, 4)
+    drafts = model.draft(aux, next_ids, 4)
+    tokens = torch.cat([next_ids, drafts[None, :3]], dim=1)  # the TTT rows read the drafted tokens
+    anchors = torch.cat([torch.arange(9), torch.full((3,), 8)])
+    depths = torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(1, 4)])
+    hidden = model(aux, tokens, anchors[None], depths[None], torch.ones(1, 12, dtype=torch.bool))[0]
+    assert torch.equal(model.lm_head(hidden[[8, 9, 10, 11]]).argmax(-1), drafts)
+
+
+@pytest.mark.parametrize("algorithm", BLOCK_FAMILY)
+def test_block_drafter_never_sees_the_future_or_another_block(algorithm):
+    model = tiny_drafter(algorithm)
+    aux, ids = _context(16, 5)
+    anchors = torch.tensor([[3, 7, 11]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    bs = model.block_size
+    base = model(aux, ids, anchors, valid)[0].view(3, bs, -1)
+    # a later context position (8) or a later anchor token (11) never changes the blocks anchored before it
+    aux2, ids2 = aux.clone(), ids.clone()
+    aux2[0, 8] += 5.0
+    ids2[0, 11] = (ids2[0, 11] + 3) % (VOCAB - 1)
+    changed = model(aux2, ids2, anchors, valid)[0].view(3, bs, -1)
+    assert torch.allclose(base[:2], changed[:2], atol=1e-5)
+    assert not torch.allclose(base[2], changed[2], atol=1e-5)
+    # the anchor position itself is not context: the verifier has not processed token p yet
+    aux3 = aux.clone()
+    aux3[0, 7] += 5.0
+    assert torch.allclose(model(aux3, ids, anchors, valid)[0].view(3, bs, -1)[1], base[1], atol=1e-5)
+    # a block alone equals the same block among others
+    alone = model(aux, ids, anchors[:, 1:2], valid[:, 1:2])[0]
+    assert torch.allclose(alone, base[1], atol=1e-5)
+
+
+def _brute_force_block_mask(context_length, anchors, block_size, causal):
+    slots = len(anchors) * block_size
+    allowed = torch.zeros(slots, context_length + slots, dtype=torch.bool)
+    for q, k in itertools.product(range(slots), range(context_length + slots)):
+        block, slot = divmod(q, block_size)
+        if k < context_length:
+            allowed[q, k] = k < anchors[block]
+        else:
+            k_block, k_slot = divmod(k - context_length, block_size)
+            allowed[q, k] = k_block == block and (not causal or k_slot <= slot)
+    return allowed
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_block_mask_matches_brute_force(causal, seed):
+    generator = torch.Generator().manual_seed(seed)
+    loss_mask = (torch.rand(14, generator=generator) < 0.8).long()
+    anchors = sample_anchors(loss_mask, 4, 1, 3, generator)
+    got = block_attention_allowed(14, anchors[None], torch.ones(1, len(anchors), dtype=torch.bool), 4, causal)[0]
+    assert torch.equal(got, _brute_force_block_mask(14, anchors.tolist(), 4, causal))
+
+
+def test_causal_block_option_makes_slots_blind_to_later_slots():
+    aux, ids = _context(12, 6)
+    anchors, valid = torch.tensor([[6]]), torch.ones(1, 1, dtype=torch.bool)
+    bidirectional, causal = tiny_drafter("dflash"), tiny_drafter("dflash", causal_block=True)
+    # slot 0 holds the anchor token: only a bidirectional block lets the mask slots change what slot 0 computes
+    ids2 = ids.clone()
+    causal.spec.mask_token_id = bidirectional.spec.mask_token_id = 5
+    base_b, base_c = bidirectional(aux, ids, anchors, valid)[0], causal(aux, ids, anchors, valid)[0]
+    causal.spec.mask_token_id = bidirectional.spec.mask_token_id = 6
+    new_b, new_c = bidirectional(aux, ids2, anchors, valid)[0], causal(aux, ids2, anchors, valid)[0]
+    assert torch.allclose(base_c[0], new_c[0], atol=1e-6)
+    assert not torch.allclose(base_b[0], new_b[0], atol=1e-6)
+
+
+def test_anchors_are_sorted_inside_the_response_and_capped():
+    loss_mask = torch.tensor([0] * 10 + [1] * 30)
+    anchors = sample_anchors(loss_mask, 5, 1, 8, torch.Generator().manual_seed(0))
+    assert anchors.numel() == 8 and torch.equal(anchors, anchors.sort().values)
+    assert (loss_mask[anchors + 1] == 1).all() and (anchors >= 1).all()
+    assert torch.allclose(position_decay(3, 2.0), torch.tensor([1.0, 0.6065, 0.3679]), atol=1e-4)
+
+
+def test_dspark_truncates_by_cumulative_confidence():
+    # survival products: 0.9, 0.72, 0.36, 0.324
+    assert keep_count(torch.tensor([0.9, 0.8, 0.5, 0.9]), 0.3) == 4
+    assert keep_count(torch.tensor([0.9, 0.8, 0.5, 0.9]), 0.35) == 3
+    assert keep_count(torch.tensor([0.9, 0.8, 0.5, 0.9]), 0.4) == 2
+    assert keep_count(torch.tensor([0.1, 0.9]), 0.5) == 1  # always at least one draft
+    assert keep_count(torch.tensor([0.1, 0.1]), 0.0) == 2
+
+
+def test_dspark_draft_uses_the_confidence_head():
+    model = tiny_drafter("dspark", confidence_threshold=0.0)
+    aux, ids = _context(9, 7)
+    drafts, confidences = model.draft_with_confidence(aux, ids, 4)
+    assert torch.equal(model.draft(aux, ids, 4), drafts)
+    with torch.no_grad():
+        model.confidence_head.proj.bias.fill_(-3.0)  # confident in nothing: the block is cut to one draft
+    model.confidence_threshold = 0.5
+    assert torch.equal(model.draft(aux, ids, 4), drafts[:1])
+
+
+def test_dspark_markov_bias_conditions_each_draft_on_the_previous_one():
+    model = tiny_drafter("dspark")
+    aux, ids = _context(9, 8)
+    plain, _ = model.draft_with_confidence(aux, ids, 4)
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.normal_(std=5.0)
+    biased, _ = model.draft_with_confidence(aux, ids, 4)
+    assert not torch.equal(plain, biased)
+
+
+def test_vocabulary_pruning_maps_like_vllm():
+    streams = [torch.tensor([5, 5, 5, 9, 9, 2, 7]), torch.tensor([9, 40])]
+    ids = most_frequent_tokens(streams, VOCAB, 3, always_keep=[49])
+    assert ids == [5, 9, 49]
+    d2t = d2t_offsets(ids)
+    assert (torch.arange(3) + d2t).tolist() == ids  # vLLM: target = draft + d2t[draft]
+    assert t2d_mask(ids, VOCAB).nonzero().squeeze(1).tolist() == ids and ids_from_d2t(d2t) == ids
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_pruned_drafter_drafts_only_kept_tokens_and_counts_misses(algorithm):
+    kept = list(range(0, VOCAB, 2))
+    model = tiny_drafter(algorithm, draft_token_ids=kept)
+    assert model.lm_head.weight.shape == (len(kept), HIDDEN)
+    assert torch.equal(model.lm_head.weight, model.verifier_head[kept])
+    aux, ids = _context(9, 9)
+    assert all(t in kept for t in model.draft(aux, ids, 4).tolist())
+    loss, correct, total = model.training_loss(tiny_samples(), OPTIONS, torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss) and total.sum() > 0
