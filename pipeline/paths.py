@@ -33,6 +33,8 @@ class StagePaths:
         # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
         self.store_key = content_key(self.regenerated_key, "store-v2", cfg.drafter.aux_layer_ids)
         self.train_key = content_key(self.store_key, cfg.drafter, cfg.training, cfg.deepspeed, cfg.seed)
+        # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report.
+        self.evaluation_key = content_key(self.train_key, cfg.evaluation, cfg.data)
 
     @property
     def prompts(self) -> Path:
@@ -56,7 +58,7 @@ class StagePaths:
 
     @property
     def evaluation(self) -> Path:
-        return self.root / "eval" / self.train_key
+        return self.root / "eval" / self.evaluation_key
 
     @property
     def export(self) -> Path:

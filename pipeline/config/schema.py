@@ -86,8 +86,6 @@ class DrafterConfig:
     # DSpark: rank of the Markov (previous-token) logit bias; weight of the confidence head's loss.
     markov_rank: int = 64
     confidence_loss_weight: float = 1.0
-    # DSpark decoding: send drafts while the product of their confidences stays >= this (0 = send all K).
-    confidence_threshold: float = 0.0
     # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
     draft_vocab_size: Optional[int] = None
 
@@ -130,6 +128,9 @@ class EvaluationConfig:
     max_new_tokens: int = 64
     # Compare the decoder's output tokens with verifier.generate (greedy) and fail when they differ.
     check_greedy_equivalence: bool = True
+    # DSpark: send drafts while the product of their confidences stays >= this (0 = send all K). A decoding
+    # choice, so it lives here and never changes which checkpoint is trained.
+    confidence_threshold: float = 0.3
 
 
 @dataclass

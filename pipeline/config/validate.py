@@ -56,7 +56,7 @@ def validate(cfg: DictConfig) -> None:
              "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")
     _require(cfg.drafter.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
     _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
-    _require(0.0 <= cfg.drafter.confidence_threshold <= 1.0, "drafter.confidence_threshold: must be in [0, 1]")
+    _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")

@@ -110,9 +110,11 @@ class DrafterBase(nn.Module):
     def load_verifier_tensors(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_weight)
-            self.verifier_head = lm_head_weight.to(self.embed_tokens.weight.dtype)
             rows = lm_head_weight if self.draft_ids is None else lm_head_weight[self.draft_ids]
             self.lm_head.weight.copy_(rows)
+            # Without pruning the verifier's head is the LM head: share its storage instead of a second V x H copy.
+            full = self.lm_head.weight.detach() if self.draft_ids is None else lm_head_weight
+            self.verifier_head = full.to(self.embed_tokens.weight.dtype)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> the verifier's token ids (identity without pruning)."""

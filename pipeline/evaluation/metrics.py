@@ -19,6 +19,7 @@ class AcceptanceCounts:
     num_drafts: int
     steps: int = 0
     accepted_tokens: int = 0
+    proposed_tokens: int = 0  # drafts sent to the verifier (fewer than K when DSpark truncates)
     # reached[k] = steps whose draft k+1 was proposed and drafts 1..k were accepted; accepted_at[k] = ... and k+1 too.
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -33,6 +34,7 @@ class AcceptanceCounts:
             raise ValueError(f"accepted={accepted}, proposed={proposed} with K={self.num_drafts}")
         self.steps += 1
         self.accepted_tokens += accepted
+        self.proposed_tokens += proposed
         for k in range(min(accepted + 1, proposed)):
             self.reached[k] += 1
         for k in range(accepted):
@@ -40,7 +42,8 @@ class AcceptanceCounts:
 
     def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         merged = AcceptanceCounts(self.num_drafts, self.steps + other.steps,
-                                  self.accepted_tokens + other.accepted_tokens)
+                                  self.accepted_tokens + other.accepted_tokens,
+                                  self.proposed_tokens + other.proposed_tokens)
         merged.reached = [a + b for a, b in zip(self.reached, other.reached)]
         merged.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
         return merged

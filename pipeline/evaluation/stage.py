@@ -52,6 +52,7 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
         "cumulative_acceptance": total.cumulative_acceptance,
         "accepted_per_position": total.accepted_at,
         "accepted_tokens": total.accepted_tokens,
+        "drafts_per_step": total.proposed_tokens / max(total.steps, 1),
         "expected_tau_from_alpha": expected_tau(total.conditional_acceptance),
         "per_request": [{"tau": c.tau, "steps": c.steps, "accepted_tokens": c.accepted_tokens} for c in per_request],
         "greedy_equivalence_checked": bool(eval_cfg.check_greedy_equivalence),
@@ -65,16 +66,20 @@ def run(ctx: Context, checkpoint: Path, held_out) -> dict:
     if len(held_out) == 0:
         raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")
     drafter = round_to_export_dtype(load_checkpoint(checkpoint)[0])  # measure exactly what vLLM will load
+    if hasattr(drafter, "confidence_threshold"):  # DSpark: the block truncation is a decoding setting
+        drafter.confidence_threshold = float(ctx.cfg.evaluation.confidence_threshold)
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
     conversations = [prompt_messages(row["messages"]) for row in held_out]
     log.info("evaluate: %d held-out prompts, K=%d", len(conversations), ctx.cfg.evaluation.num_speculative_tokens)
     report = evaluate_prompts(verifier, tokenizer, drafter, conversations, ctx.cfg.evaluation)
     report.update({"drafter": drafter.spec.algorithm, "verifier": ctx.cfg.verifier.name,
+                   "confidence_threshold": getattr(drafter, "confidence_threshold", None),
                    "checkpoint": str(checkpoint), "dataset": ctx.cfg.data.name})
     folder = ctx.paths.evaluation
     write_report(report, folder)
     metrics = {"eval.pooled_tau": report["pooled_tau"], "eval.per_request_tau": report["per_request_tau"],
-               "eval.greedy_mismatches": len(report["greedy_mismatches"])}
+               "eval.greedy_mismatches": len(report["greedy_mismatches"]),
+               "eval.drafts_per_step": report["drafts_per_step"]}
     metrics.update({f"eval.alpha_pos{i + 1}": a for i, a in enumerate(report["conditional_acceptance"])})
     metrics.update({f"eval.cum_acc_pos{i + 1}": a for i, a in enumerate(report["cumulative_acceptance"])})
     ctx.log_metrics(metrics)

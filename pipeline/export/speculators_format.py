@@ -80,9 +80,9 @@ def _block_fields(spec: DrafterSpec) -> dict[str, Any]:
     }
     if spec.algorithm == "dspark":
         fields.update({"markov_rank": int(spec.extra["markov_rank"]), "markov_head_type": "vanilla",
-                       "enable_confidence_head": True, "confidence_head_with_markov": True,
-                       # ours: the decoding-time truncation threshold (speculators and vLLM ignore it)
-                       "confidence_threshold": float(spec.extra.get("confidence_threshold", 0.0))})
+                       "enable_confidence_head": True, "confidence_head_with_markov": True})
+        if "confidence_threshold" in spec.extra:  # ours: the evaluated truncation threshold (others ignore it)
+            fields["confidence_threshold"] = float(spec.extra["confidence_threshold"])
     return fields
 
 
@@ -131,8 +131,9 @@ def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tenso
     if algorithm in BLOCK_FAMILY:
         extra["causal_block"] = not config.get("sliding_window_non_causal", True)
     if algorithm == "dspark":
-        extra.update(markov_rank=int(config["markov_rank"]),
-                     confidence_threshold=float(config.get("confidence_threshold", 0.0)))
+        extra["markov_rank"] = int(config["markov_rank"])
+        if "confidence_threshold" in config:
+            extra["confidence_threshold"] = float(config["confidence_threshold"])
     return DrafterSpec(
         algorithm=algorithm,
         verifier_name=verifier,

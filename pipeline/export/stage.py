@@ -21,6 +21,8 @@ def registered_model_name(cfg) -> str:
 
 def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None, lineage: dict) -> dict:
     model, _ = load_checkpoint(checkpoint)
+    if model.spec.algorithm == "dspark":  # record the truncation threshold the evaluation used
+        model.spec.extra["confidence_threshold"] = float(ctx.cfg.evaluation.confidence_threshold)
     folder = export_speculators(model, ctx.paths.export)
     config = json.loads((folder / "config.json").read_text())
     log.info("export: speculators checkpoint (%s) at %s", config["speculators_model_type"], folder)

@@ -126,7 +126,7 @@ def test_peagle_parallel_logits_match(tmp_path, verifier_config, tiny_verifier_p
 def test_block_drafter_logits_match(algorithm, tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
     import speculators.models.dflash.core as dflash_core
 
-    ours = _ours(algorithm, verifier_config, tiny_verifier_path, confidence_threshold=0.4)
+    ours = _ours(algorithm, verifier_config, tiny_verifier_path)
     folder = export_speculators(ours, tmp_path / algorithm, dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())
     assert config["sliding_window_non_causal"] is True  # vLLM then runs the block bidirectionally, as we train
@@ -160,8 +160,9 @@ def test_block_drafter_logits_match(algorithm, tmp_path, verifier_config, tiny_v
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash", "dspark"])
 def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, verifier_config,
                                                            tiny_verifier_path):
-    ours = _ours(algorithm, verifier_config, tiny_verifier_path, confidence_threshold=0.4, causal_block=True)
-    ours.spec.draft_token_ids = None
+    ours = _ours(algorithm, verifier_config, tiny_verifier_path, causal_block=True)
+    if algorithm == "dspark":
+        ours.spec.extra["confidence_threshold"] = 0.4  # the export records the evaluated threshold
     kept = sorted(torch.randperm(ours.spec.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist())
     pruned_spec = type(ours.spec).from_dict({**ours.spec.to_dict(), "draft_token_ids": kept})
     pruned = build_drafter(pruned_spec, verifier_head_tensors(tiny_verifier_path)).float()

@@ -49,15 +49,18 @@ def test_loss_falls_and_only_trainable_weights_move(algorithm):
     assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])  # the verifier's head stays frozen
     assert torch.equal(before["embed_tokens.weight"], after["embed_tokens.weight"])
     assert correct.shape == total.shape == (4,) and total.sum() > 0 and (correct <= total).all()
+    if algorithm == "peagle":
+        assert not torch.equal(before["mask_hidden"], after["mask_hidden"])
     if algorithm == "dspark":
         assert not torch.equal(before["markov_head.markov_w2.weight"], after["markov_head.markov_w2.weight"])
         assert not torch.equal(before["confidence_head.proj.weight"], after["confidence_head.proj.weight"])
 
 
-def test_eagle3_changing_a_future_token_never_changes_earlier_rows():
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_eagle_family_changing_a_future_token_never_changes_earlier_rows(algorithm):
     from pipeline.drafters.chains import sample_training_rows
 
-    model = tiny_drafter("eagle3")
+    model = tiny_drafter(algorithm)
     aux, next_ids = _context(10, 2)
     anchors, depths, _ = sample_training_rows(torch.ones(11, dtype=torch.long), 4, 1.0,
                                               torch.Generator().manual_seed(0))
@@ -68,8 +71,8 @@ def test_eagle3_changing_a_future_token_never_changes_earlier_rows():
         aux2[0, position] += 5.0
         ids2[0, position] = (ids2[0, position] + 7) % (VOCAB - 1)
         changed = model(aux2, ids2, anchors[None], depths[None], valid)[0]
-        # row (a, d) reads features <= a and tokens <= a + d (teacher forcing): it may only see the change there
-        unaffected = (anchors + depths) < position
+        # P-EAGLE's row (a, d) reads features and tokens at <= a; EAGLE-3's also the teacher-forced tokens <= a + d
+        unaffected = (anchors + (depths if algorithm == "eagle3" else 0)) < position
         assert torch.allclose(base[unaffected], changed[unaffected], atol=1e-5)
         assert not torch.allclose(base[~unaffected], changed[~unaffected], atol=1e-5)
 

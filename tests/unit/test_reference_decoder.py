@@ -53,7 +53,8 @@ def prompt_tokens(tokenizer, text):
 def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algorithm, num_drafts):
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     # DSpark truncates with a threshold: blocks of varying length must stay lossless too
-    drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 5, algorithm=algorithm, confidence_threshold=0.3)
+    drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 5, algorithm=algorithm)
+    drafter.confidence_threshold = 0.3
     decoder = GreedySpeculativeDecoder(verifier, drafter, num_drafts)
     for text in PROMPTS:
         prompt = prompt_tokens(tokenizer, text)

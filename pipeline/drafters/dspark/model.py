@@ -45,7 +45,7 @@ class ConfidenceHead(nn.Module):
 class DSparkDrafter(DFlashDrafter):
     algorithm = "dspark"
     sample_from_anchor = True
-    extra_keys = ("causal_block", "markov_rank", "confidence_threshold")
+    extra_keys = ("causal_block", "markov_rank")
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec, init_std)
