@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pipeline.drafters.vocab import d2t_offsets, t2d_mask
+
 
 @dataclass
 class DrafterSpec:
@@ -85,8 +87,6 @@ class DrafterBase(nn.Module):
 
     def __init__(self, spec: DrafterSpec):
         super().__init__()
-        from pipeline.drafters.vocab import d2t_offsets, t2d_mask
-
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)

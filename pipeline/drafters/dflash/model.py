@@ -82,6 +82,7 @@ class DFlashDrafter(DrafterBase):
         config = spec.layer_config()
         hidden = spec.hidden_size
         self.block_size = self.block_size_for(spec.num_speculative_tokens, self.sample_from_anchor)
+        self.first_draft_slot = 0 if self.sample_from_anchor else 1  # DFlash's slot 0 is the known anchor
         self.causal_block = bool(spec.extra.get("causal_block", False))
         self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = qwen3.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -100,8 +101,7 @@ class DFlashDrafter(DrafterBase):
         n = num_verifier_layers
         first, last = min(1, n), max(n - 3, 1)
         count = min(5, last - first + 1)
-        ids = sorted({round(first + i * (last - first) / max(count - 1, 1)) for i in range(count)})
-        return ids
+        return sorted({round(first + i * (last - first) / max(count - 1, 1)) for i in range(count)})
 
     @staticmethod
     def adapt_layer_config(verifier_layer_config: dict[str, Any]) -> dict[str, Any]:
@@ -141,16 +141,18 @@ class DFlashDrafter(DrafterBase):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the slots that draft: [.., bs, H] -> [.., K, Vd]."""
-        first = 0 if self.sample_from_anchor else 1
-        return self.lm_head(hidden[..., first:, :])
+        return self.lm_head(hidden[..., self.first_draft_slot:, :])
+
+    def block_after_context(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Normed hidden [bs, H] of the one block that follows the context: aux [1, T, A*H], next_ids [1, T]
+        (its last entry is token T, the anchor)."""
+        input_ids = torch.cat([next_ids[:, :1], next_ids], dim=1)  # token t at index t (index 0 unused)
+        anchors = torch.tensor([[aux_hidden.shape[1]]], device=aux_hidden.device)
+        return self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        """One block after the context: aux [1, T, A*H], next_ids [1, T] (its last entry is token T, the anchor)."""
-        context_length = aux_hidden.shape[1]
-        input_ids = torch.cat([next_ids[:, :1], next_ids], dim=1)  # token t at index t (index 0 unused)
-        anchors = torch.tensor([[context_length]], device=aux_hidden.device)
-        hidden = self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
+        hidden = self.block_after_context(aux_hidden, next_ids)
         return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_drafts]
 
     def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
@@ -165,7 +167,6 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's heads need.
     """
     num_drafts, bs = model.spec.num_speculative_tokens, model.block_size
-    shift = 1 if model.sample_from_anchor else 0  # draft j of block p is token p + 1 + j
     anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options.get("max_anchors"), generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
@@ -179,18 +180,18 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     loss_mask = pad_stack([s["loss_mask"] for s in samples], 0)
     last = pad_stack([s["last"].float() for s in samples], 0.0)
     hidden = model(aux, input_ids, anchors, anchor_valid)  # [B, N*bs, H]
-    hidden = hidden.view(*anchors.shape, bs, -1)[:, :, 1 - shift:]  # [B, N, K, H]: drafting slots only
+    hidden = hidden.view(*anchors.shape, bs, -1)[:, :, model.first_draft_slot:]  # [B, N, K, H]: drafting slots
 
-    draft_index = torch.arange(num_drafts)
-    target_pos = anchors[:, :, None] + 1 + draft_index  # [B, N, K]
+    target_pos = anchors[:, :, None] + 1 + torch.arange(num_drafts)  # [B, N, K]: draft j of block p is p + 1 + j
     length = input_ids.shape[1]
     inside = target_pos < length
     trainable = anchor_valid[:, :, None] & inside & torch.gather(
         loss_mask, 1, target_pos.clamp(max=length - 1).flatten(1)).view_as(target_pos).bool()
     b, n, j = trainable.nonzero(as_tuple=True)
-    previous = input_ids[b, target_pos[b, n, j] - 1]  # the token before each drafted one (teacher forcing)
+    before = target_pos[b, n, j] - 1  # the position before each drafted token
+    previous = input_ids[b, before]  # its token (teacher forcing)
     with torch.no_grad():
-        teacher = model.teacher_logits(last[b, target_pos[b, n, j] - 1])  # verifier's view one position earlier
+        teacher = model.teacher_logits(last[b, before])  # the verifier's next-token view there
     rows = hidden[b, n, j]  # [M, H]
     student = model.correct_logits(model.lm_head(rows), previous)
     weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0))[j]

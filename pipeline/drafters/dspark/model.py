@@ -65,10 +65,7 @@ class DSparkDrafter(DFlashDrafter):
     def draft_with_confidence(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int):
         """(all K drafts as target ids, their confidences): base logits in one forward, then the Markov bias and
         the confidence one draft at a time, each conditioned on the draft before it."""
-        context_length = aux_hidden.shape[1]
-        input_ids = torch.cat([next_ids[:, :1], next_ids], dim=1)
-        anchors = torch.tensor([[context_length]], device=aux_hidden.device)
-        hidden = self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
+        hidden = self.block_after_context(aux_hidden, next_ids)
         base = self.draft_logits(hidden)[:num_drafts]  # [K, Vd]
         previous = next_ids[0, -1]
         drafts, confidences = [], []
