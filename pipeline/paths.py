@@ -28,10 +28,13 @@ class StagePaths:
         self.root = Path(cfg.paths.root).expanduser().resolve()
         verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
         self.prompts_key = content_key(cfg.data)
-        self.regenerated_key = content_key(self.prompts_key, verifier, cfg.generation.max_new_tokens,
-                                           cfg.generation.max_length, cfg.verifier.compute_dtype)
+        gen = cfg.generation
+        regeneration = {k: gen[k] for k in ("backend", "responses", "temperature", "top_p", "seed",
+                                             "max_new_tokens", "max_length", "overlength")}
+        self.regenerated_key = content_key(self.prompts_key, verifier, regeneration, cfg.verifier.compute_dtype)
         # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
-        self.store_key = content_key(self.regenerated_key, "store-v2", cfg.drafter.aux_layer_ids)
+        # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
+        self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, gen.compression)
         self.train_key = content_key(self.store_key, cfg.drafter, cfg.training, cfg.deepspeed, cfg.seed)
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report.
         self.evaluation_key = content_key(self.train_key, cfg.evaluation, cfg.data)
@@ -43,6 +46,11 @@ class StagePaths:
     @property
     def regenerated(self) -> Path:
         return self.root / "regenerated" / self.regenerated_key
+
+    @property
+    def regenerated_parts(self) -> Path:
+        """Finished regeneration batches of an interrupted run, until the whole set is saved."""
+        return self.root / "regenerated" / f"{self.regenerated_key}.parts"
 
     @property
     def store(self) -> Path:

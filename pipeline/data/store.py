@@ -3,6 +3,9 @@
 Each shard holds several samples concatenated along tokens (``offsets`` marks where each starts) and carries its
 own sample ids in the safetensors header, so the manifest can always be rebuilt from the shards on disk. A shard
 is written under a temporary name and renamed when complete: a killed run leaves either a whole shard or none.
+
+Compression ``fp8`` stores each hidden row as float8 (e4m3) with one float32 scale per row (``scale.<layer>``),
+about half the bytes of bf16; readers dequantize transparently and the capture reports the measured error.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from pipeline.fsutil import atomic_write_text
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+COMPRESSIONS = ("none", "fp8")
+BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def sha256_file(path: Path) -> str:
@@ -39,8 +46,27 @@ def shard_name(sample_ids: list[str]) -> str:
     return f"shard-{digest}.safetensors"
 
 
-def write_shard(store_dir: Path, samples: list[dict[str, Any]], layer_ids: list[int], dtype: torch.dtype) -> dict:
-    """samples: [{sample_id, input_ids [T], loss_mask [T], hidden: {layer_id: [T, H]}}] -> the shard's entry."""
+def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] -> (float8 values [T, H], float32 scale per row [T]); a row's largest magnitude maps to FP8_MAX."""
+    scale = rows.float().abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    return (rows.float() / scale[:, None]).to(FP8), scale
+
+
+def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (values.float() * scale[:, None]).to(dtype)
+
+
+def _hidden_tensors(layer_id: int, rows: torch.Tensor, dtype: torch.dtype, compression: str) -> dict:
+    if compression == "fp8":
+        values, scale = quantize_fp8(rows)
+        return {f"hidden.{layer_id}": values.contiguous(), f"scale.{layer_id}": scale.contiguous()}
+    return {f"hidden.{layer_id}": rows.to(dtype).contiguous()}
+
+
+def write_shard(store_dir: Path, samples: list[dict[str, Any]], layer_ids: list[int], dtype: torch.dtype,
+                compression: str = "none") -> dict:
+    """samples: [{sample_id, input_ids [T], loss_mask [T], hidden: {layer_id: [T, H]}}] -> the shard's entry,
+    which records the relative error of what was stored against the hidden states as given."""
     sample_ids = [s["sample_id"] for s in samples]
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)
@@ -49,9 +75,16 @@ def write_shard(store_dir: Path, samples: list[dict[str, Any]], layer_ids: list[
         "loss_mask": torch.cat([s["loss_mask"].to(torch.uint8) for s in samples]),
         "offsets": offsets,
     }
+    squared_error = squared_norm = 0.0
     for layer_id in layer_ids:
-        tensors[f"hidden.{layer_id}"] = torch.cat([s["hidden"][layer_id] for s in samples]).to(dtype).contiguous()
-    metadata = {"sample_ids": json.dumps(sample_ids), "layer_ids": json.dumps(layer_ids)}
+        rows = torch.cat([s["hidden"][layer_id] for s in samples])
+        layer_tensors = _hidden_tensors(layer_id, rows, dtype, compression)
+        stored = _as_read(layer_tensors[f"hidden.{layer_id}"], layer_tensors.get(f"scale.{layer_id}"))
+        squared_error += float((rows.float() - stored).pow(2).sum())
+        squared_norm += float(rows.float().pow(2).sum())
+        tensors.update(layer_tensors)
+    metadata = {"sample_ids": json.dumps(sample_ids), "layer_ids": json.dumps(layer_ids),
+                "compression": compression}
     name = shard_name(sample_ids)
     final = store_dir / name
     store_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +92,34 @@ def write_shard(store_dir: Path, samples: list[dict[str, Any]], layer_ids: list[
     os.close(fd)
     save_file(tensors, tmp, metadata=metadata)
     os.replace(tmp, final)
-    return {"file": name, "sha256": sha256_file(final), "sample_ids": sample_ids, "num_tokens": sum(lengths)}
+    return {"file": name, "sha256": sha256_file(final), "sample_ids": sample_ids, "num_tokens": sum(lengths),
+            "relative_error": (squared_error / max(squared_norm, 1e-24)) ** 0.5}
+
+
+def _as_read(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Hidden rows as readers see them: fp8 rows dequantized to bf16, other dtypes as stored."""
+    return dequantize_fp8(values, scale) if values.dtype == FP8 else values
+
+
+def _read_hidden(handle: Any, layer_id: int) -> torch.Tensor:
+    values = handle.get_tensor(f"hidden.{layer_id}")
+    scale = handle.get_tensor(f"scale.{layer_id}") if values.dtype == FP8 else None
+    return _as_read(values, scale)
+
+
+def remove_stale_temporaries(store_dir: Path) -> int:
+    """Delete half-written shards a killed run left behind (they never carry the final name)."""
+    stale = list(store_dir.glob(".shard-*"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
+def projected_store_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: str, compression: str) -> int:
+    """Bytes a store of `num_tokens` will take: hidden rows (+ fp8 scales) plus ids, mask and offsets."""
+    per_value = 1 if compression == "fp8" else BYTES_PER_VALUE[dtype]
+    scales = 4 * num_layers if compression == "fp8" else 0
+    return num_tokens * (num_layers * (hidden_size * per_value) + scales + 8 + 1)
 
 
 def read_shard_entry(path: Path) -> dict:
@@ -101,10 +161,19 @@ def write_manifest(store_dir: Path, shards: list[dict], info: dict) -> dict:
 
 
 def verify_store(store_dir: Path) -> dict:
-    """The manifest, after checking every listed shard exists and matches its sha256; raises naming the shard."""
+    """The manifest, after checking every listed shard exists and matches its sha256 and that no sample is listed
+    twice; raises naming the shard."""
     manifest = load_manifest(store_dir)
     if manifest is None:
         raise PipelineError(f"store: no {MANIFEST} in '{store_dir}'")
+    if manifest.get("format_version", 1) > FORMAT_VERSION:
+        raise PipelineError(f"store: '{store_dir}' has format {manifest['format_version']}, newer than this code")
+    seen: dict[str, str] = {}
+    for shard in manifest["shards"]:
+        for sample_id in shard["sample_ids"]:
+            if sample_id in seen:
+                raise PipelineError(f"store: sample {sample_id} is in both {seen[sample_id]} and {shard['file']}")
+            seen[sample_id] = shard["file"]
     for shard in manifest["shards"]:
         path = store_dir / shard["file"]
         if not path.is_file():
@@ -131,8 +200,8 @@ def iter_samples(store_dir: Path, manifest: dict, aux_layer_ids: list[int], last
         with safe_open(str(store_dir / shard["file"]), framework="pt") as handle:
             offsets = handle.get_tensor("offsets").tolist()
             input_ids, loss_mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
-            aux = torch.cat([handle.get_tensor(f"hidden.{i}") for i in aux_layer_ids], dim=-1)
-            last = handle.get_tensor(f"hidden.{last_layer_id}")
+            aux = torch.cat([_read_hidden(handle, i) for i in aux_layer_ids], dim=-1)
+            last = _read_hidden(handle, last_layer_id)
         for index, sample_id in enumerate(shard["sample_ids"]):
             start, end = offsets[index], offsets[index + 1]
             yield {

@@ -1,92 +1,85 @@
-"""HF (transformers) verifier backend: greedy response regeneration and hidden-state capture.
+"""HF (transformers) verifier backend: response generation and hidden-state capture in one process.
 
-Both classes are plain callables over pandas batches, so Ray Data can run them as actors (one verifier per actor)
-and tests can call them directly.
+Capture runs the base model (no LM head: its vocabulary-sized matmul is not needed) and keeps only the requested
+layers through forward hooks instead of materialising every layer's output.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import pandas as pd
 import torch
 
-from pipeline.data.chat import prompt_ids, prompt_messages
-from pipeline.data.store import write_shard
-from pipeline.generation.verifier import DTYPES, load_verifier
+from pipeline.generation.verifier import DTYPES, load_verifier, num_layers
 
 
-class ResponseGenerator:
-    """Regenerates the final assistant turn with the verifier (greedy) and returns its exact token ids."""
-
-    def __init__(self, verifier_path: str, compute_dtype: str, max_new_tokens: int, max_length: int, threads: int):
+class HFVerifier:
+    def __init__(self, verifier_path: str, compute_dtype: str, threads: int):
         torch.set_num_threads(threads)
         self.model, self.tokenizer = load_verifier(verifier_path, compute_dtype)
-        self.max_new_tokens, self.max_length = max_new_tokens, max_length
+        self.dtype = DTYPES[compute_dtype]
 
-    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        pad = self.tokenizer.pad_token_id
+    def generate(self, prompts: list[list[int]], budgets: list[int], temperature: float, top_p: float,
+                 seed: int) -> list[list[int]]:
+        """Responses (left-padded batch); each is cut at its budget and just after the first eos."""
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
+            "do_sample": False}
+        torch.manual_seed(seed)  # HF draws one stream per batch: sampled output depends on the batch's seed
         with torch.no_grad():
-            out = self.model.generate(
-                input_ids=ids, attention_mask=attention, max_new_tokens=self.max_new_tokens, do_sample=False,
-                pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
-            )
+            out = self.model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max(budgets),
+                                      pad_token_id=pad, eos_token_id=eos, **sampling)
         responses = []
-        for row in out[:, width:].tolist():
-            if self.tokenizer.eos_token_id in row:
-                row = row[: row.index(self.tokenizer.eos_token_id) + 1]  # keep the end marker: drafters learn it
+        for row, budget in zip(out[:, width:].tolist(), budgets):
+            row = row[:budget]
+            if eos in row:
+                row = row[: row.index(eos) + 1]  # keep the end marker: drafters learn to propose it
             responses.append(row)
         return responses
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        conversations = [prompt_messages(json.loads(m)) for m in batch["messages_json"]]
-        prompts = [prompt_ids(self.tokenizer, c) for c in conversations]
-        fits = [len(p) <= self.max_length - 8 for p in prompts]
-        responses = self._generate([p for p, ok in zip(prompts, fits) if ok]) if any(fits) else []
-        rows, answers = [], iter(responses)
-        for sample_id, conversation, prompt, ok in zip(batch["sample_id"], conversations, prompts, fits):
-            if not ok:
-                rows.append({"sample_id": sample_id, "messages_json": "", "input_ids": [], "loss_mask": [],
-                             "skip_reason": f"prompt of {len(prompt)} tokens exceeds generation.max_length"})
-                continue
-            response = next(answers)
-            text = self.tokenizer.decode(response, skip_special_tokens=True)
-            input_ids = (prompt + response)[: self.max_length]
-            loss_mask = ([0] * len(prompt) + [1] * len(response))[: self.max_length]
-            messages = conversation + [{"role": "assistant", "content": text}]
-            rows.append({"sample_id": sample_id, "messages_json": json.dumps(messages), "input_ids": input_ids,
-                         "loss_mask": loss_mask, "skip_reason": ""})
-        return pd.DataFrame(rows)
+    def _layer_outputs(self, layer_ids: list[int]) -> tuple[dict[int, torch.nn.Module], int]:
+        """Module whose output is hidden state i (HF convention: i = after i layers; the last is after the norm)."""
+        base = self.model.model
+        count = num_layers(self.model)
+        modules = {}
+        for layer_id in layer_ids:
+            if layer_id == 0:
+                modules[layer_id] = base.embed_tokens
+            elif layer_id == count:
+                modules[layer_id] = base.norm
+            else:
+                modules[layer_id] = base.layers[layer_id - 1]
+        return modules, count
 
-
-class HiddenStateCapturer:
-    """Runs the verifier over regenerated samples and writes one store shard per batch."""
-
-    def __init__(self, verifier_path: str, compute_dtype: str, layer_ids: list[int], store_dir: str,
-                 store_dtype: str, threads: int):
-        torch.set_num_threads(threads)
-        self.model, _ = load_verifier(verifier_path, compute_dtype)
-        self.layer_ids, self.store_dir, self.store_dtype = list(layer_ids), Path(store_dir), DTYPES[store_dtype]
-
-    def hidden_states(self, input_ids: list[int]) -> dict[int, torch.Tensor]:
+    def forward_base(self, batch: list[list[int]]) -> torch.Tensor:
+        """The plain verifier forward (right-padded batch) without capture: the benchmark's baseline."""
+        ids, attention = self._right_padded(batch)
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([input_ids]), output_hidden_states=True)
-        # HF's hidden_states[i] is the state after i layers (0 = embeddings); the last one is after the final norm.
-        return {i: out.hidden_states[i][0].float() for i in self.layer_ids}  # each [T, H]
+            return self.model.model(input_ids=ids, attention_mask=attention).last_hidden_state
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        samples = []
-        for sample_id, input_ids, loss_mask in zip(batch["sample_id"], batch["input_ids"], batch["loss_mask"]):
-            ids = [int(t) for t in input_ids]
-            samples.append({
-                "sample_id": sample_id,
-                "input_ids": torch.tensor(ids),
-                "loss_mask": torch.tensor([int(m) for m in loss_mask]),
-                "hidden": self.hidden_states(ids),
-            })
-        entry = write_shard(self.store_dir, samples, self.layer_ids, self.store_dtype)
-        return pd.DataFrame([{"file": entry["file"], "num_samples": len(samples), "num_tokens": entry["num_tokens"]}])
+    def capture(self, batch: list[list[int]], layer_ids: list[int]) -> list[dict[int, torch.Tensor]]:
+        """Per sample {layer_id: [T, H] float32} for the requested layers, from one padded forward."""
+        modules, _ = self._layer_outputs(layer_ids)
+        outputs: dict[int, torch.Tensor] = {}
+
+        def keep(layer_id):
+            def hook(module, args, output):
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        handles = [module.register_forward_hook(keep(i)) for i, module in modules.items()]
+        try:
+            self.forward_base(batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [{i: outputs[i][row, : len(ids)].float() for i in layer_ids} for row, ids in enumerate(batch)]
+
+    def _right_padded(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Right padding: causal attention keeps every real position independent of the padding after it.
+        pad = self.tokenizer.pad_token_id
+        width = max(len(ids) for ids in batch)
+        ids = torch.tensor([list(ids) + [pad] * (width - len(ids)) for ids in batch])
+        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in batch])
+        return ids, attention

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pipeline.context import Context
+from pipeline.data.chat import tokenizer_fingerprint
 from pipeline.data.store import iter_trained_tokens, verify_store
 from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
@@ -21,11 +22,23 @@ from pipeline.training.loop import train_loop_per_worker
 log = logging.getLogger(__name__)
 
 
+def _check_store_matches_verifier(ctx: Context, manifest: dict, verifier_config, tokenizer) -> None:
+    """A store captured from another verifier or tokenizer would train a drafter on the wrong states or ids."""
+    recorded = manifest.get("tokenizer_fingerprint")
+    if recorded and recorded != tokenizer_fingerprint(tokenizer):
+        raise PipelineError(f"train: the store {ctx.paths.store} was tokenized by a different tokenizer than "
+                            f"verifier '{ctx.cfg.verifier.name}' ({ctx.verifier_path}); recapture it")
+    if manifest.get("hidden_size") not in (None, int(verifier_config.hidden_size)):
+        raise PipelineError(f"train: the store {ctx.paths.store} holds hidden size {manifest['hidden_size']}, "
+                            f"verifier '{ctx.cfg.verifier.name}' has {verifier_config.hidden_size}")
+
+
 def _spec(ctx: Context, manifest: dict):
     from transformers import AutoConfig, AutoTokenizer
 
     verifier_config = AutoConfig.from_pretrained(ctx.verifier_path)
     tokenizer = AutoTokenizer.from_pretrained(ctx.verifier_path)
+    _check_store_matches_verifier(ctx, manifest, verifier_config, tokenizer)
     spec = make_spec(ctx.cfg.drafter, verifier_config, ctx.cfg.verifier.name, ctx.verifier_path,
                      default_mask_token_id(tokenizer))
     missing = [i for i in spec.aux_layer_ids if i not in manifest["layer_ids"]]

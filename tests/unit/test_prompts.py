@@ -99,3 +99,46 @@ def test_loss_mask_covers_exactly_the_assistant_turns(smollm2_path):
     assert prompt_messages(messages) == messages[:3]
     with pytest.raises(PipelineError, match="no assistant turn"):
         tokenize_conversation(tokenizer, messages[:1])
+
+
+def test_sharegpt_and_ultrachat_rows_become_conversations(tmp_path):
+    from tests.conftest import write_jsonl
+
+    path = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                           {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Bye"}]},
+        {"data": ["What is 2+2?", "4", "And 3+3?", "6"]},
+    ])
+    prompts = load_prompts(data_cfg(path=str(path)))
+    assert [m["role"] for m in prompts[0]["messages"]] == ["system", "user", "assistant", "user"]
+    assert prompts[0]["messages"][1]["content"] == "Hi"
+    assert [m["role"] for m in prompts[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert prompts[1]["messages"][3]["content"] == "6"
+
+
+def test_a_non_utf8_line_is_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(PipelineError, match=r"line 2 of .*bad\.jsonl' is not valid UTF-8"):
+        load_prompts(data_cfg(path=str(path)))
+
+
+def test_empty_conversations_are_skipped_and_reported(tmp_path, caplog):
+    from tests.conftest import write_jsonl
+
+    path = write_jsonl(tmp_path / "some_empty.jsonl", [
+        {"messages": []}, {"messages": [{"role": "user", "content": "  "}]}, {"prompt": "real question"}])
+    prompts = load_prompts(data_cfg(path=str(path)))
+    assert len(prompts) == 1
+    assert "empty conversation" in caplog.text and "empty user turn" in caplog.text
+
+
+def test_generation_prompt_mask_marks_earlier_answers(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+               {"role": "user", "content": "Bye"}]
+    ids, mask = tokenize_conversation(tokenizer, history, add_generation_prompt=True)
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]).startswith("Hello there")
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")

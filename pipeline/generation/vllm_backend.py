@@ -1,0 +1,122 @@
+"""vLLM verifier backend: generation with vLLM's offline `LLM`, capture with its `extract_hidden_states` method.
+
+Capture runs the verifier with a one-token request per sample; vLLM's hidden-states connector writes each request's
+states ([T, layers, H]) to a file, which is read and deleted here. vLLM gives the last layer before the final norm;
+the store's convention (the HF one) is after it, so the norm is applied here with the verifier's own weight.
+The engines are built lazily: an actor that only generates never builds the capturing one, and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def _final_norm(verifier_path: str) -> tuple[torch.Tensor, float]:
+    """(weight, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model."""
+    folder = Path(verifier_path)
+    config = json.loads((folder / "config.json").read_text())
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            if "model.norm.weight" in handle.keys():
+                return handle.get_tensor("model.norm.weight").float(), float(config.get("rms_norm_eps", 1e-6))
+    raise FileNotFoundError(f"no model.norm.weight in the safetensors of {folder}")
+
+
+def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows = rows.float()
+    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class VllmVerifier:
+    def __init__(self, verifier_path: str, compute_dtype: str, max_model_len: int, gpu_memory_utilization: float):
+        from transformers import AutoTokenizer
+
+        self.path, self.dtype = verifier_path, compute_dtype
+        self.engine_options = {"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
+                               "dtype": compute_dtype, "seed": 0, "enforce_eager": True}
+        self.tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self._generator = None
+        self._capturer = None
+        self._capture_layers: list[int] = []
+        self._capture_dir = Path(tempfile.mkdtemp(prefix="vllm-hidden-"))
+
+    def generate(self, prompts: list[list[int]], budgets: list[int], temperature: float, top_p: float,
+                 seed: int) -> list[list[int]]:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._generator is None:
+            self._generator = LLM(model=self.path, **self.engine_options)
+        eos = self.tokenizer.eos_token_id
+        params = [SamplingParams(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed + index)
+                  for index, budget in enumerate(budgets)]
+        outputs = self._generator.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                           use_tqdm=False)
+        responses = []
+        for output in outputs:
+            ids = list(output.outputs[0].token_ids)
+            if eos in ids:
+                ids = ids[: ids.index(eos) + 1]
+            responses.append(ids)
+        return responses
+
+    def _capturing_engine(self, layer_ids: list[int]):
+        from vllm import LLM
+
+        if self._capturer is None:
+            self._capture_layers = list(layer_ids)
+            self._capturer = LLM(
+                model=self.path, enable_prefix_caching=False, **self.engine_options,
+                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                    "draft_model_config": {"hf_config": {
+                                        "eagle_aux_hidden_state_layer_ids": self._capture_layers}}},
+                kv_transfer_config=self._connector_config(),
+            )
+            self._norm = _final_norm(self.path)
+            self._num_layers = int(json.loads((Path(self.path) / "config.json").read_text())["num_hidden_layers"])
+        if list(layer_ids) != self._capture_layers:
+            raise ValueError(f"this engine captures layers {self._capture_layers}, not {layer_ids}")
+        return self._capturer
+
+    def _connector_config(self) -> dict:
+        import torch.cuda
+
+        if torch.cuda.is_available():
+            return {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(self._capture_dir)}}
+        return {"kv_connector": "CpuHiddenStatesConnector", "kv_role": "kv_producer",
+                "kv_connector_module_path": "pipeline.generation.vllm_connector",
+                "kv_connector_extra_config": {"shared_storage_path": str(self._capture_dir)}}
+
+    def capture(self, batch: list[list[int]], layer_ids: list[int]) -> list[dict[int, torch.Tensor]]:
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states, load_hidden_states,
+        )
+        from vllm.inputs import TokensPrompt
+
+        engine = self._capturing_engine(layer_ids)
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in batch],
+                                  SamplingParams(max_tokens=1), use_tqdm=False)
+        captured = []
+        for ids, output in zip(batch, outputs):
+            path = output.kv_transfer_params["hidden_states_path"]
+            states = load_hidden_states(path)["hidden_states"][: len(ids)].float()  # [T, layers, H]
+            cleanup_hidden_states(path)
+            per_layer = {layer_id: states[:, index] for index, layer_id in enumerate(layer_ids)}
+            if self._num_layers in per_layer:
+                per_layer[self._num_layers] = rms_norm(per_layer[self._num_layers], *self._norm)
+            captured.append(per_layer)
+        return captured
+
+    def __del__(self):
+        shutil.rmtree(getattr(self, "_capture_dir", ""), ignore_errors=True)
