@@ -45,7 +45,7 @@ def validate(cfg: DictConfig) -> None:
         f"data.path: required when data.source is '{cfg.data.source}'",
     )
     _require(cfg.data.num_train > 0, "data.num_train: must be > 0")
-    _require(cfg.data.num_eval >= 0, "data.num_eval: must be >= 0")
+    _require(cfg.data.num_eval >= 1, "data.num_eval: must be >= 1 (the held-out prompts the evaluation uses)")
     gen = cfg.generation
     _require(gen.backend in BACKENDS, f"generation.backend: '{gen.backend}' is not one of {BACKENDS}")
     _require(gen.capture_backend in (None, *BACKENDS),

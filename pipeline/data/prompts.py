@@ -159,5 +159,5 @@ def split_prompts(prompts: datasets.Dataset, data_cfg: Any) -> tuple[datasets.Da
         )
     shuffled = prompts.shuffle(seed=data_cfg.shuffle_seed)
     train = shuffled.select(range(data_cfg.num_train))
-    held_out = shuffled.select(range(data_cfg.num_train, wanted))
+    held_out = shuffled.select(list(range(data_cfg.num_train, wanted)))  # a list: an empty range is refused
     return train, held_out

@@ -283,7 +283,6 @@ def _capture_missing(ctx: Context, todo: list[dict], layer_ids: list[int], store
 def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:
     """Write the hidden-state store; samples already in a complete shard are never recomputed."""
     store = ctx.paths.store
-    store.mkdir(parents=True, exist_ok=True)
     config = _verifier_config(ctx)
     num_layers, hidden_size = int(config.num_hidden_layers), int(config.hidden_size)
     gen = ctx.cfg.generation
@@ -306,6 +305,7 @@ def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:
     projected = projected_store_bytes(total_tokens, len(layer_ids), hidden_size, ctx.cfg.verifier.save_dtype,
                                       gen.compression)
     _refuse_over_budget(projected, "capture", gen)
+    store.mkdir(parents=True, exist_ok=True)
     log.info("capture: %d samples already stored, %d to capture into %s", len(done), len(todo), store)
     throughput = _capture_missing(ctx, todo, layer_ids, store) if todo else {}
     shards = scan_shards(store, known)
