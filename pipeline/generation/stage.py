@@ -55,7 +55,12 @@ def _stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: 
         num_cpus=gen_cfg.cpus_per_actor,
         num_gpus=1 if gen_cfg.use_gpu else 0,
     )
-    yield from mapped.iter_rows()
+    try:
+        yield from mapped.iter_rows()
+    except Exception as error:  # Ray wraps the actor's exception; finished batches are already safe on disk
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        raise PipelineError(f"{worker_cls.__name__}: a verifier actor failed: {lines[-1] if lines else error!r}; "
+                            "finished batches are kept, rerun to continue") from error
 
 
 def _progress(total: int, description: str):
