@@ -16,8 +16,9 @@ from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError
 from pipeline.fsutil import copy_folder_atomic
-from pipeline.training.checkpoint import STATE_FILE
+from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.training.loop import train_loop_per_worker
+from pipeline.training.resume import read_resume_point
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "tracking_uri": ctx.tracker.uri if ctx.tracker else None,
         "run_id": run_id,
     }
+    if cfg.training.resume_from:
+        read_resume_point(Path(cfg.training.resume_from), spec)  # refuse another drafter's checkpoint up front
+        loop_config["resume_from"] = str(Path(cfg.training.resume_from).resolve())
     result = _fit(ctx, loop_config)
     if result.error:
         raise PipelineError(f"train: the Ray Train run failed: {result.error}")
@@ -95,13 +99,14 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         copy_folder_atomic(Path(folder), final)
     state = json.loads((final / STATE_FILE).read_text())
     log.info("train: finished at step %s; checkpoint %s", state.get("step"), final)
-    ctx.log_artifact(final, "checkpoint")
+    for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):  # the optimizer state stays in final/ for resume_from
+        ctx.log_artifact(final / name, "checkpoint")
     ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
     return final
 
 
 def _fit(ctx: Context, loop_config: dict):
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from pipeline.cluster import ensure_ray
@@ -116,7 +121,10 @@ def _fit(ctx: Context, loop_config: dict):
         scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        # Same name and storage on a rerun: Ray Train restores this run's latest checkpoint into the workers.
         run_config=RunConfig(name=f"train-{ctx.paths.train_key}", storage_path=str(storage),
+                             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.keep_checkpoints),
                              worker_runtime_env={"env_vars": _worker_env()}),
     )
     return trainer.fit()

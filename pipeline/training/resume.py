@@ -1,0 +1,100 @@
+"""Where a run starts: fresh, or from a checkpoint of this run (Ray Train restores the latest one after a worker
+failure or when the same job is started again) or one named by `training.resume_from`.
+
+A checkpoint holds the drafter's spec and weights (rank 0), the train state (step, samples seen, global batch,
+world size, ZeRO stage) and the full optimizer state: DeepSpeed's own per-rank files under `deepspeed/`, or
+`optimizer.pt` without DeepSpeed. On another world size or ZeRO stage, DeepSpeed's `ds_to_universal` turns the
+per-rank files into its universal (world-size-free) checkpoint, which the new engine loads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline.drafters.common import DrafterSpec
+from pipeline.errors import PipelineError
+from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE
+
+DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def drafter_identity(spec: dict) -> dict:
+    """What must match for a checkpoint to continue a run: the same drafter shape on the same verifier."""
+    layer = spec["transformer_layer_config"]
+    return {"algorithm": spec["algorithm"], "verifier": spec["verifier_name"],
+            "verifier hidden_size": layer.get("hidden_size"), "verifier vocab_size": layer.get("vocab_size"),
+            "verifier layers": layer.get("num_hidden_layers"), "aux_layer_ids": spec["aux_layer_ids"],
+            "num_layers": spec["num_layers"], "num_speculative_tokens": spec["num_speculative_tokens"],
+            "draft vocabulary": spec.get("draft_token_ids")}
+
+
+@dataclass
+class ResumePoint:
+    folder: Path
+    step: int
+    global_batch: int
+    world_size: int
+    zero_stage: int
+    uses_deepspeed: bool
+
+    @property
+    def deepspeed_dir(self) -> Path:
+        return self.folder / DEEPSPEED_DIR
+
+
+def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
+    theirs, ours = drafter_identity(saved), drafter_identity(spec.to_dict())
+    for key, value in ours.items():
+        if theirs[key] != value:
+            shown = (lambda v: f"{len(v)} tokens" if key == "draft vocabulary" and v else repr(v))
+            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {key} {shown(theirs[key])}, "
+                                f"this run has {shown(value)}; it cannot be resumed here")
+
+
+def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[ResumePoint]:
+    """The resume point of a checkpoint folder (None for a fresh run); refuses another drafter's checkpoint."""
+    if folder is None:
+        return None
+    folder = Path(folder)
+    for name in (SPEC_FILE, STATE_FILE):
+        if not (folder / name).is_file():
+            raise PipelineError(f"training.resume_from: '{folder}' has no {name} (not a training checkpoint)")
+    check_same_drafter(json.loads((folder / SPEC_FILE).read_text()), spec, folder)
+    state = json.loads((folder / STATE_FILE).read_text())
+    if "global_batch" not in state:
+        raise PipelineError(f"training.resume_from: '{folder}' holds weights only (no optimizer state to resume)")
+    return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
+                       world_size=int(state["world_size"]), zero_stage=int(state["zero_stage"]),
+                       uses_deepspeed=bool(state["deepspeed"]))
+
+
+def needs_universal(point: ResumePoint, world_size: int, zero_stage: int) -> bool:
+    return point.uses_deepspeed and (point.world_size != world_size or point.zero_stage != zero_stage)
+
+
+def convert_to_universal(point: ResumePoint, into: Path) -> Path:
+    """DeepSpeed's own converter: per-rank ZeRO files -> a universal checkpoint under `into/UNIVERSAL_TAG`."""
+    output = into / UNIVERSAL_TAG
+    if not output.is_dir():
+        result = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             str(point.deepspeed_dir / DEEPSPEED_TAG), "--output_folder", str(output), "--inject_missing_state",
+             "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed on {point.deepspeed_dir}: {result.stderr[-2000:]}")
+    return into
+
+
+def micro_batch_for(global_batch: int, accum: int, world_size: int) -> int:
+    per_worker, remainder = divmod(global_batch, accum * world_size)
+    if remainder or per_worker < 1:
+        raise PipelineError(f"training.num_workers: the checkpoint's global batch of {global_batch} sequences does "
+                            f"not split over {world_size} workers x {accum} accumulation steps")
+    return per_worker
