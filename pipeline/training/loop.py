@@ -209,8 +209,8 @@ def _report(metrics: dict, engine: Engine, state: dict, with_checkpoint: bool) -
 
 
 def _checkpoint_folder(config: dict):
-    """This run's latest checkpoint (Ray Train restores it after a worker failure or when the same run is started
-    again), else `training.resume_from`, else none: a context yielding a folder or None."""
+    """This run's latest checkpoint (Ray Train hands it to restarted workers after a failure), else the one the
+    driver chose (`resume_from`: the config's own latest on a rerun, or training.resume_from), else none."""
     import contextlib
 
     import ray.train

@@ -1,5 +1,6 @@
-"""Where a run starts: fresh, or from a checkpoint of this run (Ray Train restores the latest one after a worker
-failure or when the same job is started again) or one named by `training.resume_from`.
+"""Where a run starts: fresh, or from a checkpoint. After a worker failure Ray Train hands the run's latest
+checkpoint to the restarted workers; when the same config is started again (after a crash or a stop) the driver
+finds that config's latest complete checkpoint in Ray's storage; `training.resume_from` names any other one.
 
 A checkpoint holds the drafter's spec and weights (rank 0), the train state (step, samples seen, global batch,
 world size, ZeRO stage) and the full optimizer state: DeepSpeed's own per-rank files under `deepspeed/`, or
@@ -72,6 +73,31 @@ def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[Res
     return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
                        world_size=int(state["world_size"]), zero_stage=int(state["zero_stage"]),
                        uses_deepspeed=bool(state["deepspeed"]))
+
+
+def _is_complete(folder: Path) -> bool:
+    """Every file a resume reads is there (a run killed while Ray gathered the ranks' files leaves a partial one)."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not (folder / SPEC_FILE).is_file() or "global_batch" not in state:
+        return False
+    if not state["deepspeed"]:
+        return (folder / OPTIMIZER_FILE).is_file()
+    ranks = list((folder / DEEPSPEED_DIR / DEEPSPEED_TAG).glob("*optim_states.pt"))
+    return len(ranks) == int(state["world_size"])
+
+
+def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The checkpoint of the highest step under a Ray Train run folder that a resume can read, if any."""
+    best, best_step = None, -1
+    for folder in run_dir.glob("checkpoint_*") if run_dir.is_dir() else []:
+        if _is_complete(folder):
+            step = int(json.loads((folder / STATE_FILE).read_text())["step"])
+            if step > best_step:
+                best, best_step = folder, step
+    return best
 
 
 def needs_universal(point: ResumePoint, world_size: int, zero_stage: int) -> bool:

@@ -128,9 +128,9 @@ def test_a_lost_worker_is_replaced_from_the_last_checkpoint(store, tiny_verifier
     cfg, overrides = with_store(store, tiny_verifier_path, "lost-worker", "training.max_steps=24")
     process = start_train(overrides)
     deadline = time.time() + 600
-    while not checkpoint_steps(cfg) and process.poll() is None and time.time() < deadline:
+    # the second checkpoint on disk: the first one is surely registered with Ray Train's controller by then
+    while len(checkpoint_steps(cfg)) < 2 and process.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)
     workers = subprocess.run(["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True).stdout.split()
     assert process.poll() is None and workers, "no training worker to kill"
     os.kill(int(workers[-1]), signal.SIGKILL)
