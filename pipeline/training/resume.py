@@ -49,13 +49,16 @@ class ResumePoint:
         return self.folder / DEEPSPEED_DIR
 
 
+def _shown(key: str, value) -> str:
+    return f"{len(value)} tokens" if key == "draft vocabulary" and value else repr(value)
+
+
 def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
     theirs, ours = drafter_identity(saved), drafter_identity(spec.to_dict())
     for key, value in ours.items():
         if theirs[key] != value:
-            shown = (lambda v: f"{len(v)} tokens" if key == "draft vocabulary" and v else repr(v))
-            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {key} {shown(theirs[key])}, "
-                                f"this run has {shown(value)}; it cannot be resumed here")
+            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {key} {_shown(key, theirs[key])}, "
+                                f"this run has {_shown(key, value)}; it cannot be resumed here")
 
 
 def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[ResumePoint]:
