@@ -121,13 +121,6 @@ class TrainingConfig:
     warmup_steps: int = 10
     grad_clip: float = 1.0
     checkpoint_every: int = 100
-    # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.
-    keep_checkpoints: int = 2
-    # Worker failures (a lost process or node) survived by restarting from the latest checkpoint.
-    max_failures: int = 2
-    # Continue from this checkpoint folder (same drafter and verifier; any number of workers dividing its global
-    # batch). A rerun of the same config resumes its own latest checkpoint without this.
-    resume_from: Optional[str] = None
     log_every: int = 10
     seed: int = 0
     torch_threads_per_worker: int = 1

@@ -16,9 +16,8 @@ from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError
 from pipeline.fsutil import copy_folder_atomic
-from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
+from pipeline.training.checkpoint import STATE_FILE
 from pipeline.training.loop import train_loop_per_worker
-from pipeline.training.resume import latest_complete_checkpoint, read_resume_point
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +86,6 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "tracking_uri": ctx.tracker.uri if ctx.tracker else None,
         "run_id": run_id,
     }
-    resume_from = _resume_from(ctx)
-    if resume_from:
-        read_resume_point(resume_from, spec)  # refuse another drafter's checkpoint up front
-        log.info("train: resuming from %s", resume_from)
-        loop_config["resume_from"] = str(resume_from)
     result = _fit(ctx, loop_config)
     if result.error:
         raise PipelineError(f"train: the Ray Train run failed: {result.error}")
@@ -101,27 +95,13 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         copy_folder_atomic(Path(folder), final)
     state = json.loads((final / STATE_FILE).read_text())
     log.info("train: finished at step %s; checkpoint %s", state.get("step"), final)
-    for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):  # the optimizer state stays in final/ for resume_from
-        ctx.log_artifact(final / name, "checkpoint")
+    ctx.log_artifact(final, "checkpoint")
     ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
     return final
 
 
-def _run_name(ctx: Context) -> str:
-    return f"train-{ctx.paths.train_key}"
-
-
-def _resume_from(ctx: Context) -> Path | None:
-    """This config's own latest checkpoint (a rerun after a crash continues it), else training.resume_from."""
-    storage = Path(ctx.cfg.cluster.storage_path).expanduser().resolve()
-    own = latest_complete_checkpoint(storage / _run_name(ctx))
-    if own is not None:
-        return own
-    return Path(ctx.cfg.training.resume_from).expanduser().resolve() if ctx.cfg.training.resume_from else None
-
-
 def _fit(ctx: Context, loop_config: dict):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from pipeline.cluster import ensure_ray
@@ -136,9 +116,7 @@ def _fit(ctx: Context, loop_config: dict):
         scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name=_run_name(ctx), storage_path=str(storage),
-                             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.keep_checkpoints),
+        run_config=RunConfig(name=f"train-{ctx.paths.train_key}", storage_path=str(storage),
                              worker_runtime_env={"env_vars": _worker_env()}),
     )
     return trainer.fit()
