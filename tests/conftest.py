@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def run_job(command: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run in its own session; on timeout the whole group dies (the job and the local Ray it started),
+    so a stuck job cannot keep both cores busy under the tests that follow."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(command[:3])} ... ran past {timeout} s; its last output:\n"
+                             f"{(stdout or '')[-2000:]}\n{(stderr or '')[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

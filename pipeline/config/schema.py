@@ -124,8 +124,9 @@ class TrainingConfig:
     log_every: int = 10
     seed: int = 0
     torch_threads_per_worker: int = 1
-    # Autocast dtype for the forward (bfloat16 halves step time on CPUs with AVX512-BF16); null = fp32.
-    autocast_dtype: Optional[str] = "bfloat16"
+    # Autocast dtype for the forward: auto = bfloat16 where the hardware computes it natively (CUDA with bf16,
+    # CPUs with AVX512-BF16/AMX), else fp32 -- emulated bf16 on an AVX2-only CPU is ~17x slower; null = fp32.
+    autocast_dtype: Optional[str] = "auto"
 
 
 @dataclass

@@ -9,7 +9,6 @@ The engines are built lazily: an actor that only generates never builds the capt
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path

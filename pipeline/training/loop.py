@@ -22,6 +22,23 @@ from pipeline.tracking import log_metric_batch
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def native_bf16(device_type: str) -> bool:
+    """Whether this device computes bf16 in hardware (emulated bf16 matmuls are far slower than fp32)."""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX512-BF16 or AMX
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_autocast(name: str | None, device_type: str) -> torch.dtype | None:
+    """training.autocast_dtype -> the dtype to autocast to (None = fp32); `auto` asks the hardware."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device_type) else None
+    return AUTOCAST.get(name or "")
+
+
 def deepspeed_config(ds: dict, training: dict) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": training["micro_batch_size"],
@@ -125,6 +142,10 @@ class MetricsSink:
         if self.client is not None:
             log_metric_batch(self.client, self.run_id, metrics, step)
 
+    def tag(self, key: str, value: str) -> None:
+        if self.client is not None:
+            self.client.set_tag(self.run_id, key, value)
+
 
 def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Tensor, tokens: torch.Tensor,
                   elapsed: float, lr: float) -> dict[str, float]:
@@ -165,8 +186,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     engine = Engine(model, training, ds)
     sink = MetricsSink(config.get("tracking_uri"), config.get("run_id"))
     generator = torch.Generator().manual_seed(training["seed"] * 1000 + dist.rank())
-    autocast = AUTOCAST.get(training.get("autocast_dtype") or "")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    autocast = resolve_autocast(training.get("autocast_dtype"), device_type)
+    sink.tag("train.autocast", str(autocast).replace("torch.", "") if autocast else "float32")
     stream = batches(samples, training["micro_batch_size"], training["seed"] + dist.rank())
     progress = _progress(training["max_steps"])
     window_start = time.time()

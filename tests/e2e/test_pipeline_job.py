@@ -11,14 +11,16 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from tests.conftest import run_job
+
 REPO = Path(__file__).resolve().parents[2]
 STAGES = {"prompts", "regenerate", "capture", "train", "evaluate", "export"}
 
 
 def run_pipeline(root: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    result = subprocess.run([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=timeout)
+    result = run_job([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides], timeout, cwd=REPO,
+                     env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -96,12 +98,12 @@ def test_vllm_serves_the_acceptance_the_evaluation_measured(default_run, smollm2
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(held_out_prompt_ids(default_run, smollm2_path)))
     out = tmp_path / "vllm.json"
-    result = subprocess.run(
+    result = run_job(
         [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", smollm2_path,
          "--drafter", str(next(default_run.glob("export/*"))),
          "--k", str(report["num_speculative_tokens"]), "--max-tokens", "64", "--prompts", str(prompts),
          "--out", str(out), "--baseline"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
     served = json.loads(out.read_text())
     assert served["speculative"]["tokens"] == served["baseline"]["tokens"]  # vLLM's speculation is lossless too
@@ -112,11 +114,11 @@ def test_vllm_serves_the_acceptance_the_evaluation_measured(default_run, smollm2
 
 
 def serve_in_vllm(export: Path, verifier_path: str, prompts: Path, out: Path, k: int) -> dict:
-    result = subprocess.run(
+    result = run_job(
         [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", verifier_path, "--drafter",
          str(export), "--k", str(k), "--max-tokens", "48", "--prompts", str(prompts), "--out", str(out),
          "--baseline"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())
 

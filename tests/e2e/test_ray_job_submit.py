@@ -7,11 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides, write_jsonl
+from tests.conftest import run_job, tiny_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,16 +42,26 @@ def ray_head(tmp_path):
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+def submit_when_agent_ready(command: list[str], env: dict, attempts: int = 12) -> subprocess.CompletedProcess:
+    """The head answers HTTP before its job agent is up (seconds to a minute on a busy 2-core machine); until then a
+    submission is refused with 'No available agent' and nothing is submitted, so it is safe to ask again."""
+    for _ in range(attempts):
+        result = run_job(command, 900, env=env)
+        if "No available agent" not in result.stderr:
+            return result
+        time.sleep(10)
+    return result
+
+
 @pytest.mark.slow
 def test_pipeline_job_runs_under_ray_job_submit(ray_head, tmp_path, tiny_verifier_path):
     ray_bin, address, env = ray_head
     prompts = write_jsonl(tmp_path / "prompts.jsonl",
                           [{"prompt": f"Name {i} colours."} for i in range(10)])
     overrides = tiny_overrides(tmp_path / "out", tiny_verifier_path, prompts) + ["training.max_steps=2"]
-    result = subprocess.run(
+    result = submit_when_agent_ready(
         [ray_bin, "job", "submit", f"--address={address}", f"--working-dir={REPO}", "--",
-         "python", "jobs/pipeline.py", *overrides],
-        env=env, capture_output=True, text=True, timeout=900)
+         "python", "jobs/pipeline.py", *overrides], env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in result.stdout.lower()
     config = json.loads(next((tmp_path / "out" / "export").glob("*/config.json")).read_text())

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import datasets
 import pytest
-import torch
 
 from pipeline.config import compose
 from pipeline.data.store import iter_samples, verify_store

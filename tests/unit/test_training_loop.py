@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from pipeline.training.loop import Engine, batches, deepspeed_config, warmup_cosine
+from pipeline.training.loop import Engine, batches, deepspeed_config, native_bf16, resolve_autocast, warmup_cosine
 from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter
 
 TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
@@ -21,6 +21,12 @@ def test_batches_are_seeded_and_reshuffled_each_epoch():
     epoch0 = [i for e, ids in first if e == 0 for i in ids]
     epoch1 = [i for e, ids in first if e == 1 for i in ids]
     assert sorted(epoch0) == sorted(epoch1) == list(range(6)) and epoch0 != epoch1
+
+
+def test_auto_autocast_uses_bf16_only_where_the_cpu_computes_it_natively():
+    assert resolve_autocast("auto", "cpu") == (torch.bfloat16 if native_bf16("cpu") else None)
+    assert resolve_autocast(None, "cpu") is None
+    assert resolve_autocast("bfloat16", "cpu") == torch.bfloat16
 
 
 def test_warmup_then_cosine_to_a_tenth():
