@@ -121,9 +121,19 @@ class TrainingConfig:
     warmup_steps: int = 10
     grad_clip: float = 1.0
     checkpoint_every: int = 100
+    # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.
+    keep_checkpoints: int = 2
+    # Worker failures (a lost process or node) survived by restarting from the latest checkpoint.
+    max_failures: int = 2
+    # Continue from this checkpoint folder (same drafter and verifier; any number of workers dividing its global
+    # batch). A rerun of the same config resumes its own latest checkpoint without this.
+    resume_from: Optional[str] = None
     log_every: int = 10
     seed: int = 0
     torch_threads_per_worker: int = 1
+    # Store samples held out of training; when > 0 every checkpoint is validated on them (val.loss, val.proxy_tau)
+    # and the checkpoint with the best val.proxy_tau becomes the run's final one.
+    val_samples: int = 0
     # Autocast dtype for the forward: auto = bfloat16 where the hardware computes it natively (CUDA with bf16,
     # CPUs with AVX512-BF16/AMX), else fp32 -- emulated bf16 on an AVX2-only CPU is ~17x slower; null = fp32.
     autocast_dtype: Optional[str] = "auto"
@@ -136,6 +146,8 @@ class DeepSpeedConfig:
     zero_stage: int = 2
     bf16: bool = False
     offload_optimizer: bool = False
+    # ZeRO-3 only: keep the partitioned parameters in host memory between uses.
+    offload_params: bool = False
     # Extra keys merged verbatim into the DeepSpeed JSON config.
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -71,9 +71,12 @@ def validate(cfg: DictConfig) -> None:
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
+    _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
     _require(cfg.training.autocast_dtype in (None, "auto", "bfloat16", "float16"),
              "training.autocast_dtype: must be auto, bfloat16, float16 or null (fp32)")
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")
+    _require(not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
+             "deepspeed.offload_params: parameters are offloaded only by ZeRO stage 3")
     _require(
         1 <= cfg.evaluation.num_speculative_tokens <= cfg.drafter.num_speculative_tokens,
         "evaluation.num_speculative_tokens: must be between 1 and drafter.num_speculative_tokens",

@@ -21,6 +21,15 @@ def save_checkpoint(folder: Path, model: Any, state: dict[str, Any]) -> None:
     (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
+def load_trainable_weights(model: Any, folder: Path) -> None:
+    """Put a checkpoint's trained tensors into `model` (frozen verifier tensors are not in checkpoints)."""
+    missing, unexpected = model.load_state_dict(load_file(str(Path(folder) / WEIGHTS_FILE)), strict=False)
+    missing = [k for k in missing if k not in ("embed_tokens.weight", "lm_head.weight")]
+    if missing or unexpected:
+        raise PipelineError(f"checkpoint: '{folder}' does not match {model.spec.algorithm}: missing {missing}, "
+                            f"unexpected {unexpected}")
+
+
 def load_checkpoint(folder: Path):
     """(model with trained weights, train state); refuses a folder that is not a complete checkpoint."""
     from pipeline.drafters.build import build_drafter
@@ -31,10 +40,6 @@ def load_checkpoint(folder: Path):
             raise PipelineError(f"checkpoint: '{folder}' has no {name}")
     spec = DrafterSpec.from_dict(json.loads((folder / SPEC_FILE).read_text()))
     model = build_drafter(spec)
-    missing, unexpected = model.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=False)
-    missing = [k for k in missing if k not in ("embed_tokens.weight", "lm_head.weight")]
-    if missing or unexpected:
-        raise PipelineError(f"checkpoint: '{folder}' does not match {spec.algorithm}: missing {missing}, "
-                            f"unexpected {unexpected}")
+    load_trainable_weights(model, folder)
     state = json.loads((folder / STATE_FILE).read_text()) if (folder / STATE_FILE).is_file() else {}
     return model.eval(), state

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -15,9 +16,14 @@ from pipeline.data.store import iter_samples, verify_store
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
 from pipeline.evaluation.metrics import expected_tau
-from pipeline.training import dist
-from pipeline.training.checkpoint import save_checkpoint
 from pipeline.tracking import log_metric_batch
+from pipeline.training import dist
+from pipeline.training.checkpoint import load_trainable_weights, save_checkpoint
+from pipeline.training.resume import (
+    DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint,
+    convert_to_universal, micro_batch_for, needs_universal, read_resume_point,
+)
+from pipeline.training.validation import split_validation, validate, validation_share
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,9 +45,9 @@ def resolve_autocast(name: str | None, device_type: str) -> torch.dtype | None:
     return AUTOCAST.get(name or "")
 
 
-def deepspeed_config(ds: dict, training: dict) -> dict:
+def deepspeed_config(ds: dict, training: dict, micro_batch: int, load_universal: bool = False) -> dict:
     config = {
-        "train_micro_batch_size_per_gpu": training["micro_batch_size"],
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": training["grad_accum_steps"],
         "gradient_clipping": training["grad_clip"],
         "zero_optimization": {"stage": ds["zero_stage"]},
@@ -53,6 +59,10 @@ def deepspeed_config(ds: dict, training: dict) -> dict:
     }
     if ds.get("offload_optimizer"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if ds.get("offload_params"):
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     config.update(ds.get("extra") or {})
     return config
 
@@ -67,20 +77,48 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def batches(samples: list[dict], size: int, seed: int) -> Iterator[tuple[int, list[dict]]]:
-    """Endless (epoch, micro-batch) stream, reshuffled each epoch with a seeded generator."""
-    epoch = 0
-    while True:
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for start in range(0, len(order), size):
-            yield epoch, [samples[i] for i in order[start:start + size]]
-        epoch += 1
+class GlobalOrder:
+    """The sample order of the whole run, the same for any number of workers.
+
+    Epoch e visits the samples in a permutation seeded by (seed, e); optimizer step s consumes the global batch of
+    positions [s*G, (s+1)*G) of the endless epoch-after-epoch stream. Worker r's micro-batch m is a fixed slice of
+    that global batch, so a resumed run (on any world size that divides G) continues the exact same stream.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int):
+        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
+        self._permutations: dict[int, list[int]] = {}
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._permutations:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._permutations = {epoch: torch.randperm(self.num_samples, generator=generator).tolist()}
+        return self._permutations[epoch]
+
+    def epoch(self, step: int) -> int:
+        return (step * self.global_batch) // self.num_samples
+
+    def micro_batch(self, step: int, micro: int, accum: int, rank: int, world: int) -> list[int]:
+        """Sample indices of worker `rank`'s micro-batch `micro` at 0-based optimizer step `step`."""
+        per_worker = self.global_batch // (accum * world)
+        start = step * self.global_batch + (micro * world + rank) * per_worker
+        indices = []
+        for position in range(start, start + per_worker):
+            epoch, offset = divmod(position, self.num_samples)
+            indices.append(self._permutation(epoch)[offset])
+        return indices
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The drafter's sampling (anchors, depths) at a step depends only on (seed, step, rank): resumes replay it."""
+    return (seed * 1_000_003 + step * 1009 + rank) % (2**63)
 
 
 class Engine:
     """DeepSpeed engine when enabled, else plain torch (single worker or DDP-free averaging of grads)."""
 
-    def __init__(self, model: torch.nn.Module, training: dict, ds: dict):
+    def __init__(self, model: torch.nn.Module, training: dict, ds: dict, micro_batch: int,
+                 load_universal: bool = False):
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=training["lr"], weight_decay=training["weight_decay"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -91,11 +129,43 @@ class Engine:
 
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(ds, training))
+                model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                config=deepspeed_config(ds, training, micro_batch, load_universal))
             self.module = self.engine.module
         else:
             self.module, self.optimizer, self.scheduler = model, optimizer, scheduler
             self.params, self.clip = params, training["grad_clip"]
+
+    def save_state(self, folder: Path) -> None:
+        """Optimizer, scheduler (and, with DeepSpeed, weights) into `folder`; every rank calls it."""
+        if self.uses_deepspeed:
+            self.engine.save_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+        elif dist.is_rank_zero():
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       folder / OPTIMIZER_FILE)
+
+    def full_weights(self):
+        """Context in which the module holds whole tensors: ZeRO-3 partitions them over the ranks, so every rank
+        enters it (a collective gather); other stages already hold whole weights."""
+        if self.zero_stage() != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+
+    def load_state(self, point: ResumePoint, scratch: Path) -> None:
+        if point.uses_deepspeed != self.uses_deepspeed:
+            raise RuntimeError(f"checkpoint {point.folder} was written with deepspeed.enabled={point.uses_deepspeed}")
+        if not self.uses_deepspeed:
+            load_trainable_weights(self.module, point.folder)
+            state = torch.load(point.folder / OPTIMIZER_FILE, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            return
+        if needs_universal(point, dist.world_size(), self.zero_stage()):
+            self.engine.load_checkpoint(str(convert_to_universal(point, scratch)), tag=UNIVERSAL_TAG)
+        else:
+            self.engine.load_checkpoint(str(point.deepspeed_dir), tag=DEEPSPEED_TAG)
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         if self.uses_deepspeed:
@@ -118,14 +188,10 @@ class Engine:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def _my_samples(store_dir: Path, spec: DrafterSpec, last_layer_id: int) -> list[dict]:
+def _all_samples(store_dir: Path, spec: DrafterSpec, last_layer_id: int) -> list[dict]:
+    """Every worker holds the store: which samples it trains on at a step comes from GlobalOrder."""
     manifest = verify_store(store_dir)
-    everything = list(iter_samples(store_dir, manifest, spec.aux_layer_ids, last_layer_id))
-    mine = everything[dist.rank()::dist.world_size()]
-    if not mine:
-        raise RuntimeError(f"worker {dist.rank()} got no samples: the store has {len(everything)} for "
-                           f"{dist.world_size()} workers")
-    return mine
+    return list(iter_samples(store_dir, manifest, spec.aux_layer_ids, last_layer_id))
 
 
 class MetricsSink:
@@ -161,44 +227,79 @@ def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Te
     return metrics
 
 
-def _report(metrics: dict, model: torch.nn.Module, state: dict, with_checkpoint: bool) -> None:
+def _report(metrics: dict, engine: Engine, state: dict, with_checkpoint: bool) -> None:
+    """Every rank reports; with a checkpoint, every rank adds its own DeepSpeed files and rank 0 the drafter's
+    spec, weights and train state. Ray Train gathers all ranks' files into one checkpoint folder."""
     import ray.train
 
     if not with_checkpoint:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
-        if dist.is_rank_zero():
-            save_checkpoint(Path(tmp), model, state)
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint)
+        engine.save_state(Path(tmp))
+        with engine.full_weights():
+            if dist.is_rank_zero():
+                save_checkpoint(Path(tmp), engine.module, state)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def _checkpoint_folder(config: dict):
+    """This run's latest checkpoint (Ray Train hands it to restarted workers after a failure), else the one the
+    driver chose (`resume_from`: the config's own latest on a rerun, or training.resume_from), else none."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        return checkpoint.as_directory()
+    return contextlib.nullcontext(Path(config["resume_from"]) if config.get("resume_from") else None)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     training, ds = config["training"], config["deepspeed"]
     torch.set_num_threads(training["torch_threads_per_worker"])
-    torch.manual_seed(training["seed"] + dist.rank())
+    torch.manual_seed(training["seed"])  # identical initial weights on every rank (DeepSpeed broadcasts rank 0's)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     spec = DrafterSpec.from_dict(config["spec"])
-    samples = _my_samples(Path(config["store_dir"]), spec, config["last_layer_id"])
+    samples = _all_samples(Path(config["store_dir"]), spec, config["last_layer_id"])
+    accum, world = training["grad_accum_steps"], dist.world_size()
     model = build_drafter(spec).train()
-    engine = Engine(model, training, ds)
+    with _checkpoint_folder(config) as folder, tempfile.TemporaryDirectory() as scratch:
+        point = read_resume_point(Path(folder) if folder else None, spec)
+        global_batch = point.global_batch if point else training["micro_batch_size"] * accum * world
+        micro = micro_batch_for(global_batch, accum, world)
+        zero_stage = int(ds["zero_stage"]) if ds["enabled"] else -1
+        engine = Engine(model, training, ds, micro,
+                        load_universal=bool(point and needs_universal(point, world, zero_stage)))
+        if point:
+            engine.load_state(point, Path(scratch))
+    samples, held_out = split_validation(samples, training["val_samples"], training["seed"])
+    order = GlobalOrder(len(samples), global_batch, training["seed"])
     sink = MetricsSink(config.get("tracking_uri"), config.get("run_id"))
-    generator = torch.Generator().manual_seed(training["seed"] * 1000 + dist.rank())
+    if point:
+        sink.log({"train.resumed_from_step": point.step, "train.resumed_from_world_size": point.world_size},
+                 point.step)
+    _train_steps(config, engine, samples, order, point.step if point else 0, micro, sink,
+                 validation_share(held_out, dist.rank(), world) if held_out else [])
+
+
+def _train_steps(config: dict, engine: Engine, samples: list[dict], order: GlobalOrder, start: int,
+                 micro: int, sink: MetricsSink, held_out_share: list[tuple[dict, bool]]) -> None:
+    training = config["training"]
+    accum, world, rank = training["grad_accum_steps"], dist.world_size(), dist.rank()
+    generator = torch.Generator()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     autocast = resolve_autocast(training.get("autocast_dtype"), device_type)
     sink.tag("train.autocast", str(autocast).replace("torch.", "") if autocast else "float32")
-    stream = batches(samples, training["micro_batch_size"], training["seed"] + dist.rank())
-    progress = _progress(training["max_steps"])
+    progress = _progress(training["max_steps"], start)
     window_start = time.time()
     loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
-    for step in range(1, training["max_steps"] + 1):
-        for _ in range(training["grad_accum_steps"]):
-            epoch, batch = next(stream)
+    for step in range(start + 1, training["max_steps"] + 1):
+        generator.manual_seed(step_seed(training["seed"], step, rank))
+        for micro_index in range(accum):
+            batch = [samples[i] for i in order.micro_batch(step - 1, micro_index, accum, rank, world)]
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
-            engine.backward_and_step(loss / (1 if engine.uses_deepspeed else training["grad_accum_steps"]))
+            engine.backward_and_step(loss / (1 if engine.uses_deepspeed else accum))
             loss_sum += loss.detach().float()
             correct_sum, total_sum = correct_sum + correct, total_sum + total
             tokens += sum(int(s["loss_mask"].sum()) for s in batch)
@@ -211,17 +312,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # Every rank reaches this on the same steps: the reductions and ray.train.report stay in lockstep.
         metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens,
                                 time.time() - window_start, engine.lr())
-        metrics.update({"train.epoch": epoch, "train.world_size": dist.world_size(),
-                        "train.zero_stage": engine.zero_stage()})
+        epoch = order.epoch(step - 1)
+        metrics.update({"train.epoch": epoch, "train.world_size": world, "train.zero_stage": engine.zero_stage(),
+                        "train.micro_batch_size": micro})
+        if with_checkpoint and held_out_share:  # every checkpoint carries the score that ranks it
+            metrics.update(validate(engine.module, held_out_share, config["drafter"],
+                                    torch.autocast(device_type, dtype=autocast) if autocast else None))
         sink.log(metrics, step)
         progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
-        _report({**metrics, "step": step}, engine.module, {"step": step, "epoch": epoch}, with_checkpoint)
+        state = {"step": step, "epoch": epoch, "samples_seen": step * order.global_batch,
+                 "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
+                 "deepspeed": engine.uses_deepspeed}
+        _report({**metrics, "step": step}, engine, state, with_checkpoint)
         loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
         window_start = time.time()
     progress.close()
 
 
-def _progress(total: int):
+def _progress(total: int, start: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", disable=not dist.is_rank_zero(), mininterval=5)
+    return tqdm(total=total, initial=start, desc="train", disable=not dist.is_rank_zero(), mininterval=5)

@@ -16,8 +16,9 @@ from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError
 from pipeline.fsutil import copy_folder_atomic
-from pipeline.training.checkpoint import STATE_FILE
+from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.training.loop import train_loop_per_worker
+from pipeline.training.resume import latest_complete_checkpoint, read_resume_point
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,11 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     manifest = verify_store(store)
     spec = _spec(ctx, manifest)
     cfg = ctx.cfg
-    if manifest["num_samples"] < cfg.training.num_workers:
+    trainable = manifest["num_samples"] - cfg.training.val_samples
+    if trainable < cfg.training.num_workers:
         raise PipelineError(f"training.num_workers: {cfg.training.num_workers} workers but the store has only "
-                            f"{manifest['num_samples']} samples")
+                            f"{trainable} samples to train on ({manifest['num_samples']} less "
+                            f"training.val_samples={cfg.training.val_samples} held out)")
     loop_config = {
         "spec": spec.to_dict(),
         "store_dir": str(store),
@@ -86,22 +89,68 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "tracking_uri": ctx.tracker.uri if ctx.tracker else None,
         "run_id": run_id,
     }
+    resume_from = _resume_from(ctx)
+    if resume_from:
+        read_resume_point(resume_from, spec)  # refuse another drafter's checkpoint up front
+        log.info("train: resuming from %s", resume_from)
+        loop_config["resume_from"] = str(resume_from)
     result = _fit(ctx, loop_config)
     if result.error:
         raise PipelineError(f"train: the Ray Train run failed: {result.error}")
     if result.checkpoint is None:
         raise PipelineError("train: the run finished without reporting a checkpoint")
-    with result.checkpoint.as_directory() as folder:
+    chosen, score = _final_checkpoint(result, validated=cfg.training.val_samples > 0)
+    with chosen.as_directory() as folder:
         copy_folder_atomic(Path(folder), final)
     state = json.loads((final / STATE_FILE).read_text())
-    log.info("train: finished at step %s; checkpoint %s", state.get("step"), final)
-    ctx.log_artifact(final, "checkpoint")
+    log.info("train: finished; the final checkpoint is step %s%s: %s", state.get("step"),
+             f" (best val.proxy_tau {score:.4f})" if score is not None else "", final)
+    if score is not None:
+        ctx.log_metrics({"train.best_step": state["step"], "train.best_val_proxy_tau": score})
+    for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):  # the optimizer state stays in final/ for resume_from
+        ctx.log_artifact(final / name, "checkpoint")
     ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
     return final
 
 
+def _final_checkpoint(result, validated: bool):
+    """(checkpoint, its val.proxy_tau): the best validated checkpoint Ray Train kept, else the last one."""
+    if not validated:
+        return result.checkpoint, None
+    scored = [(metrics["val.proxy_tau"], checkpoint) for checkpoint, metrics in result.best_checkpoints or []
+              if "val.proxy_tau" in metrics]
+    if not scored:
+        return result.checkpoint, None
+    score, checkpoint = max(scored, key=lambda pair: pair[0])
+    return checkpoint, score
+
+
+def _run_name(ctx: Context) -> str:
+    return f"train-{ctx.paths.train_key}"
+
+
+def _resume_from(ctx: Context) -> Path | None:
+    """This config's own latest checkpoint (a rerun after a crash continues it), else training.resume_from."""
+    storage = Path(ctx.cfg.cluster.storage_path).expanduser().resolve()
+    own = latest_complete_checkpoint(storage / _run_name(ctx))
+    if own is not None:
+        return own
+    return Path(ctx.cfg.training.resume_from).expanduser().resolve() if ctx.cfg.training.resume_from else None
+
+
+def _checkpoint_config(training):
+    """Keep the last `keep_checkpoints`; with validation, the best by val.proxy_tau (Ray Train keeps the latest one
+    too, which a resume continues)."""
+    from ray.train import CheckpointConfig
+
+    if training.val_samples > 0:
+        return CheckpointConfig(num_to_keep=training.keep_checkpoints, checkpoint_score_attribute="val.proxy_tau",
+                                checkpoint_score_order="max")
+    return CheckpointConfig(num_to_keep=training.keep_checkpoints)
+
+
 def _fit(ctx: Context, loop_config: dict):
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from pipeline.cluster import ensure_ray
@@ -116,7 +165,9 @@ def _fit(ctx: Context, loop_config: dict):
         scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name=f"train-{ctx.paths.train_key}", storage_path=str(storage),
+        run_config=RunConfig(name=_run_name(ctx), storage_path=str(storage),
+                             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
+                             checkpoint_config=_checkpoint_config(cfg.training),
                              worker_runtime_env={"env_vars": _worker_env()}),
     )
     return trainer.fit()

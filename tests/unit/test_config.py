@@ -44,6 +44,14 @@ def test_default_config_is_the_embedded_cpu_pipeline():
     assert cfg.cluster.address is None and cfg.tracking.tracking_uri is None
 
 
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_an_a100_cluster_puts_one_training_worker_and_one_verifier_on_each_gpu(gpus):
+    cfg = compose([f"cluster=a100_{gpus}x"])
+    validate(cfg)
+    assert cfg.cluster.use_gpu and cfg.training.num_workers == gpus and cfg.generation.num_actors == gpus
+    assert cfg.generation.use_gpu and cfg.generation.backend == "vllm" and cfg.training.autocast_dtype == "bfloat16"
+
+
 def test_unknown_key_is_refused_naming_it():
     with pytest.raises((ConfigCompositionException, ConfigKeyError)) as error:
         compose(["verifier.nonexistent_key=1"])
@@ -67,6 +75,9 @@ def test_wrong_type_is_refused_naming_the_field():
     ("data.source=csv", "data.source"),
     ("evaluation.num_speculative_tokens=9", "evaluation.num_speculative_tokens"),
     ("stages=[prompts,bake]", "stages"),
+    ("training.autocast_dtype=fp8", "training.autocast_dtype"),
+    ("training.val_samples=-1", "training.val_samples"),
+    ("deepspeed.offload_params=true", "deepspeed.offload_params"),
 ])
 def test_semantic_validation_names_the_field(override, field):
     with pytest.raises(PipelineError, match=field.replace(".", r"\.")):

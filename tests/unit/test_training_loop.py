@@ -2,25 +2,53 @@
 
 from __future__ import annotations
 
-import itertools
+import json
 
+import pytest
 import torch
 
-from pipeline.training.loop import Engine, batches, deepspeed_config, native_bf16, resolve_autocast, warmup_cosine
+from pipeline.errors import PipelineError
+from pipeline.training.loop import (Engine, GlobalOrder, deepspeed_config, native_bf16, resolve_autocast,
+                                    warmup_cosine)
+from pipeline.training.resume import micro_batch_for, read_resume_point
 from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter
 
 TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
             "warmup_steps": 2, "max_steps": 10}
 
 
-def test_batches_are_seeded_and_reshuffled_each_epoch():
-    samples = [{"id": i} for i in range(6)]
-    first = [(e, [s["id"] for s in b]) for e, b in itertools.islice(batches(samples, 2, seed=3), 6)]
-    again = [(e, [s["id"] for s in b]) for e, b in itertools.islice(batches(samples, 2, seed=3), 6)]
-    assert first == again
-    epoch0 = [i for e, ids in first if e == 0 for i in ids]
-    epoch1 = [i for e, ids in first if e == 1 for i in ids]
-    assert sorted(epoch0) == sorted(epoch1) == list(range(6)) and epoch0 != epoch1
+def test_the_global_order_is_seeded_reshuffled_each_epoch_and_free_of_the_world_size():
+    order = GlobalOrder(num_samples=6, global_batch=4, seed=3)
+    two_workers = [[i for rank in range(2) for i in order.micro_batch(step, 0, 1, rank, 2)] for step in range(6)]
+    one_worker = [order.micro_batch(step, 0, 1, 0, 1) for step in range(6)]
+    two_micro_steps = [[i for m in range(2) for i in order.micro_batch(step, m, 2, 0, 1)] for step in range(6)]
+    assert two_workers == one_worker == two_micro_steps  # the same samples per optimizer step, however split
+    stream = [i for batch in one_worker for i in batch]  # 24 positions = 4 epochs of 6
+    epochs = [stream[e * 6:(e + 1) * 6] for e in range(4)]
+    assert all(sorted(e) == list(range(6)) for e in epochs) and epochs[0] != epochs[1]
+    assert GlobalOrder(6, 4, seed=3).micro_batch(5, 0, 1, 0, 1) == one_worker[5]  # a fresh object agrees
+    assert order.epoch(5) == 3
+
+
+def test_a_resume_splits_the_saved_global_batch_or_refuses():
+    assert micro_batch_for(8, accum=1, world_size=2) == 4 and micro_batch_for(8, accum=2, world_size=1) == 4
+    with pytest.raises(PipelineError, match="does not split over 3 workers"):
+        micro_batch_for(8, accum=1, world_size=3)
+
+
+def test_a_checkpoint_of_another_drafter_or_verifier_is_refused(tmp_path):
+    spec = tiny_drafter().spec
+    (tmp_path / "spec.json").write_text(json.dumps({**spec.to_dict(), "algorithm": "dflash"}))
+    (tmp_path / "train_state.json").write_text(json.dumps({"step": 3}))
+    with pytest.raises(PipelineError, match="has algorithm 'dflash', this run has 'peagle'"):
+        read_resume_point(tmp_path, spec)
+    other_verifier = {**spec.to_dict(), "verifier_name": "Qwen3-8B"}
+    (tmp_path / "spec.json").write_text(json.dumps(other_verifier))
+    with pytest.raises(PipelineError, match="has verifier 'Qwen3-8B'"):
+        read_resume_point(tmp_path, spec)
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    with pytest.raises(PipelineError, match="weights only"):
+        read_resume_point(tmp_path, spec)
 
 
 def test_auto_autocast_uses_bf16_only_where_the_cpu_computes_it_natively():
@@ -37,7 +65,7 @@ def test_warmup_then_cosine_to_a_tenth():
 
 def test_deepspeed_config_from_the_groups():
     config = deepspeed_config({"zero_stage": 3, "bf16": True, "offload_optimizer": True,
-                               "extra": {"wall_clock_breakdown": True}}, TRAINING)
+                               "extra": {"wall_clock_breakdown": True}}, TRAINING, micro_batch=2)
     assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
     assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["wall_clock_breakdown"] is True
@@ -45,7 +73,7 @@ def test_deepspeed_config_from_the_groups():
 
 def test_plain_engine_steps_and_follows_the_schedule():
     model = tiny_drafter()
-    engine = Engine(model, TRAINING, {"enabled": False})
+    engine = Engine(model, TRAINING, {"enabled": False}, micro_batch=2)
     generator = torch.Generator().manual_seed(0)
     sample = {"aux": torch.randn(16, 3 * HIDDEN, generator=generator), "last": torch.randn(16, HIDDEN),
               "input_ids": torch.randint(0, VOCAB - 1, (16,), generator=generator),

@@ -1,0 +1,129 @@
+"""Where a run starts: fresh, or from a checkpoint. After a worker failure Ray Train hands the run's latest
+checkpoint to the restarted workers; when the same config is started again (after a crash or a stop) the driver
+finds that config's latest complete checkpoint in Ray's storage; `training.resume_from` names any other one.
+
+A checkpoint holds the drafter's spec and weights (rank 0), the train state (step, samples seen, global batch,
+world size, ZeRO stage) and the full optimizer state: DeepSpeed's own per-rank files under `deepspeed/`, or
+`optimizer.pt` without DeepSpeed. On another world size or ZeRO stage, DeepSpeed's `ds_to_universal` turns the
+per-rank files into its universal (world-size-free) checkpoint, which the new engine loads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline.drafters.common import DrafterSpec
+from pipeline.errors import PipelineError
+from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE
+
+DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def drafter_identity(spec: dict) -> dict:
+    """What must match for a checkpoint to continue a run: the same drafter shape on the same verifier."""
+    layer = spec["transformer_layer_config"]
+    return {"algorithm": spec["algorithm"], "verifier": spec["verifier_name"],
+            "verifier hidden_size": layer.get("hidden_size"), "verifier vocab_size": layer.get("vocab_size"),
+            "verifier layers": layer.get("num_hidden_layers"), "aux_layer_ids": spec["aux_layer_ids"],
+            "num_layers": spec["num_layers"], "num_speculative_tokens": spec["num_speculative_tokens"],
+            "draft vocabulary": spec.get("draft_token_ids")}
+
+
+@dataclass
+class ResumePoint:
+    folder: Path
+    step: int
+    global_batch: int
+    world_size: int
+    zero_stage: int
+    uses_deepspeed: bool
+
+    @property
+    def deepspeed_dir(self) -> Path:
+        return self.folder / DEEPSPEED_DIR
+
+
+def _shown(key: str, value) -> str:
+    return f"{len(value)} tokens" if key == "draft vocabulary" and value else repr(value)
+
+
+def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
+    theirs, ours = drafter_identity(saved), drafter_identity(spec.to_dict())
+    for key, value in ours.items():
+        if theirs[key] != value:
+            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {key} {_shown(key, theirs[key])}, "
+                                f"this run has {_shown(key, value)}; it cannot be resumed here")
+
+
+def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[ResumePoint]:
+    """The resume point of a checkpoint folder (None for a fresh run); refuses another drafter's checkpoint."""
+    if folder is None:
+        return None
+    folder = Path(folder)
+    for name in (SPEC_FILE, STATE_FILE):
+        if not (folder / name).is_file():
+            raise PipelineError(f"training.resume_from: '{folder}' has no {name} (not a training checkpoint)")
+    check_same_drafter(json.loads((folder / SPEC_FILE).read_text()), spec, folder)
+    state = json.loads((folder / STATE_FILE).read_text())
+    if "global_batch" not in state:
+        raise PipelineError(f"training.resume_from: '{folder}' holds weights only (no optimizer state to resume)")
+    return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
+                       world_size=int(state["world_size"]), zero_stage=int(state["zero_stage"]),
+                       uses_deepspeed=bool(state["deepspeed"]))
+
+
+def _is_complete(folder: Path) -> bool:
+    """Every file a resume reads is there (a run killed while Ray gathered the ranks' files leaves a partial one)."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not (folder / SPEC_FILE).is_file() or "global_batch" not in state:
+        return False
+    if not state["deepspeed"]:
+        return (folder / OPTIMIZER_FILE).is_file()
+    ranks = list((folder / DEEPSPEED_DIR / DEEPSPEED_TAG).glob("*optim_states.pt"))
+    return len(ranks) == int(state["world_size"])
+
+
+def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The checkpoint of the highest step under a Ray Train run folder that a resume can read, if any."""
+    best, best_step = None, -1
+    for folder in run_dir.glob("checkpoint_*") if run_dir.is_dir() else []:
+        if _is_complete(folder):
+            step = int(json.loads((folder / STATE_FILE).read_text())["step"])
+            if step > best_step:
+                best, best_step = folder, step
+    return best
+
+
+def needs_universal(point: ResumePoint, world_size: int, zero_stage: int) -> bool:
+    return point.uses_deepspeed and (point.world_size != world_size or point.zero_stage != zero_stage)
+
+
+def convert_to_universal(point: ResumePoint, into: Path) -> Path:
+    """DeepSpeed's own converter: per-rank ZeRO files -> a universal checkpoint under `into/UNIVERSAL_TAG`."""
+    output = into / UNIVERSAL_TAG
+    if not output.is_dir():
+        result = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             str(point.deepspeed_dir / DEEPSPEED_TAG), "--output_folder", str(output), "--inject_missing_state",
+             "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed on {point.deepspeed_dir}: {result.stderr[-2000:]}")
+    return into
+
+
+def micro_batch_for(global_batch: int, accum: int, world_size: int) -> int:
+    per_worker, remainder = divmod(global_batch, accum * world_size)
+    if remainder or per_worker < 1:
+        raise PipelineError(f"training.num_workers: the checkpoint's global batch of {global_batch} sequences does "
+                            f"not split over {world_size} workers x {accum} accumulation steps")
+    return per_worker

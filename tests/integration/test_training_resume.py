@@ -1,0 +1,213 @@
+"""Training that survives: the job killed and rerun continues the same loss curve, a lost worker is replaced from
+the last checkpoint, and a checkpoint of 2 workers continues on 1 (DeepSpeed's universal checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from pipeline.config import compose
+from pipeline.errors import PipelineError
+from pipeline.paths import StagePaths
+from pipeline.runner import run_stages
+from pipeline.tracking import tracking_uri
+from tests.conftest import tiny_overrides, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+
+
+def train_overrides(root: Path, verifier: str, prompts: Path, *extra: str) -> list[str]:
+    return tiny_overrides(root, verifier, prompts) + [
+        "data.num_train=8", "data.num_eval=1", f"training.max_steps={STEPS}", "training.checkpoint_every=3",
+        "training.log_every=1", "training.keep_checkpoints=10", *extra]
+
+
+def start_train(overrides: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    return subprocess.Popen([sys.executable, str(REPO / "jobs" / "train.py"), *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> None:
+    _, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-3000:]
+
+
+def losses_by_step(cfg) -> dict[int, float]:
+    """The last train.loss logged for each step, over every run of the experiment (a resumed run logs again)."""
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'",
+                              order_by=["attributes.start_time ASC"])
+    losses: dict[int, float] = {}
+    for run in runs:
+        for metric in sorted(client.get_metric_history(run.info.run_id, "train.loss"), key=lambda m: m.timestamp):
+            losses[metric.step] = metric.value
+    return losses
+
+
+def resumed_from(cfg) -> list[float]:
+    """Steps the train runs resumed from (logged by rank 0 when it loads a checkpoint)."""
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'")
+    return sorted(m.value for r in runs for m in client.get_metric_history(r.info.run_id, "train.resumed_from_step"))
+
+
+def checkpoint_steps(cfg) -> list[int]:
+    folders = Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*/train_state.json")
+    return sorted(json.loads(p.read_text())["step"] for p in folders)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_verifier_path, ray_local):
+    """One generated store, shared by every run below through a common output root for the generate stages."""
+    root = tmp_path_factory.mktemp("resume")
+    prompts = write_jsonl(root / "prompts.jsonl", [
+        {"messages": [{"role": "user", "content": f"Describe the number {i} in {i % 3 + 2} words."}]}
+        for i in range(9)])
+    run_stages(compose(train_overrides(root / "generated", tiny_verifier_path, prompts)), "generate",
+               ["prompts", "regenerate", "capture"])
+    return root, prompts
+
+
+def with_store(store, tiny_verifier_path, name: str, *extra: str):
+    """A fresh output root holding a copy of the generated prompts/regenerated/store folders."""
+    import shutil
+
+    root, prompts = store
+    target = root / name
+    for folder in ("prompts", "regenerated", "stores"):
+        shutil.copytree(root / "generated" / folder, target / folder)
+    return compose(train_overrides(target, tiny_verifier_path, prompts, *extra)), train_overrides(
+        target, tiny_verifier_path, prompts, *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(store, tiny_verifier_path):
+    cfg, overrides = with_store(store, tiny_verifier_path, "reference")
+    finish(start_train(overrides))
+    return cfg, losses_by_step(cfg)
+
+
+@pytest.mark.slow
+def test_a_killed_and_rerun_job_continues_the_same_loss_curve(store, tiny_verifier_path, reference):
+    cfg, overrides = with_store(store, tiny_verifier_path, "killed")
+    process = start_train(overrides)
+    deadline = time.time() + 600
+    while not checkpoint_steps(cfg) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # let the controller record the checkpoint it just received
+    assert process.poll() is None, "the run ended before its first checkpoint"
+    os.killpg(process.pid, signal.SIGKILL)  # the job and its local Ray, as a crash would
+    process.wait()
+    last_checkpoint = max(checkpoint_steps(cfg))
+    assert last_checkpoint < STEPS
+    finish(start_train(overrides))
+    _, expected = reference
+    losses = losses_by_step(cfg)
+    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
+    assert state["step"] == STEPS
+    [start] = resumed_from(cfg)  # the rerun continued from a checkpoint; it did not start over
+    assert 3 <= start <= last_checkpoint
+    for step in range(int(start) + 1, STEPS + 1):
+        assert abs(losses[step] - expected[step]) <= 1e-3, (step, losses[step], expected[step])
+
+
+@pytest.mark.slow
+def test_a_lost_worker_is_replaced_from_the_last_checkpoint(store, tiny_verifier_path, reference):
+    cfg, overrides = with_store(store, tiny_verifier_path, "lost-worker", "training.max_steps=24")
+    process = start_train(overrides)
+    deadline = time.time() + 600
+    # the second checkpoint on disk: the first one is surely registered with Ray Train's controller by then
+    while len(checkpoint_steps(cfg)) < 2 and process.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    workers = subprocess.run(["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True).stdout.split()
+    assert process.poll() is None and workers, "no training worker to kill"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    finish(process)
+    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
+    assert state["step"] == 24 and state["world_size"] == 2
+    restarts = resumed_from(cfg)
+    assert len(restarts) == 1 and restarts[0] >= 3  # Ray Train restarted the workers from a checkpoint
+
+
+@pytest.mark.slow
+def test_two_workers_continue_on_one_from_a_zero_checkpoint(store, tiny_verifier_path, reference):
+    reference_cfg, expected = reference
+    midway = next(p.parent for p in Path(reference_cfg.cluster.storage_path).glob(
+        "train-*/checkpoint_*/train_state.json") if json.loads(p.read_text())["step"] == 6)
+    cfg, _ = with_store(store, tiny_verifier_path, "one-worker", "training.num_workers=1",
+                        f"training.resume_from={midway}")
+    run_stages(cfg, "train", ["train"])
+    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
+    assert state["step"] == STEPS and state["world_size"] == 1 and state["global_batch"] == 4
+    losses = losses_by_step(cfg)
+    assert min(losses) == 7 and resumed_from(cfg) == [6]
+    # one worker averages over the 4 sequences, two workers averaged two means of 2: close, not bit-equal
+    for step in range(7, STEPS + 1):
+        assert losses[step] == pytest.approx(expected[step], rel=0.05), step
+
+
+def test_a_checkpoint_of_another_drafter_is_refused_before_training(store, tiny_verifier_path, reference):
+    reference_cfg, _ = reference
+    final = StagePaths(reference_cfg).final_checkpoint
+    cfg, _ = with_store(store, tiny_verifier_path, "other", "drafter=eagle3", f"training.resume_from={final}")
+    with pytest.raises(PipelineError, match="has algorithm 'peagle', this run has 'eagle3'"):
+        run_stages(cfg, "train", ["train"])
+
+
+# Every anchor and every depth: the drafter's loss then draws nothing at random, so runs can match step for step.
+DETERMINISTIC = ["drafter.max_anchors=null", "drafter.depth_keep_decay=1.0", "training.autocast_dtype=null",
+                 "training.max_steps=6", "training.micro_batch_size=1"]
+
+
+def loss_curve(store, verifier: str, name: str, *extra: str) -> dict[int, float]:
+    cfg, _ = with_store(store, verifier, name, *DETERMINISTIC, *extra)
+    run_stages(cfg, "train", ["train"])
+    return losses_by_step(cfg)
+
+
+@pytest.fixture(scope="module")
+def single_worker_curve(store, tiny_verifier_path) -> dict[int, float]:
+    return loss_curve(store, tiny_verifier_path, "single", "deepspeed=none", "training.num_workers=1",
+                      "training.grad_accum_steps=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3", "zero3_offload"])
+def test_zero_on_two_workers_follows_the_single_worker_loss_curve(store, tiny_verifier_path, single_worker_curve,
+                                                                   zero):
+    """The same global batch of 2 (1 worker accumulating 2 micro-batches vs 2 workers of 1): the same gradients
+    up to summation order, so the same loss at every step."""
+    single = single_worker_curve
+    sharded = loss_curve(store, tiny_verifier_path, zero, f"deepspeed={zero}", "training.num_workers=2")
+    assert sorted(single) == sorted(sharded) == list(range(1, 7))
+    assert single[6] < single[1]  # it trained
+    for step in single:
+        assert sharded[step] == pytest.approx(single[step], rel=1e-3, abs=1e-4), (step, sharded, single)
+
+
+@pytest.mark.slow
+def test_the_final_checkpoint_is_the_best_validated_one(store, tiny_verifier_path):
+    cfg, _ = with_store(store, tiny_verifier_path, "validated", "training.val_samples=2", "training.max_steps=6",
+                        "training.checkpoint_every=2", "training.lr=0.05")
+    run_stages(cfg, "train", ["train"])
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    [run] = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'")
+    scores = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val.proxy_tau")}
+    assert sorted(scores) == [2, 4, 6]  # every checkpoint was validated, and only checkpoints
+    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
+    assert scores[state["step"]] == max(scores.values())
+    assert run.data.metrics["train.best_val_proxy_tau"] == pytest.approx(max(scores.values()))
+    assert run.data.metrics["train.best_step"] == state["step"]
