@@ -167,12 +167,17 @@ class Engine:
         else:
             self.engine.load_checkpoint(str(point.deepspeed_dir), tag=DEEPSPEED_TAG)
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
+    def backward_and_step(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        """Backward one micro-batch; step the optimizer at the last micro-batch of a step (`boundary`). DeepSpeed
+        counts the micro-batches itself (gradient_accumulation_steps) and scales the loss; without it the caller
+        passes loss / accumulation steps and the gradients add up until the boundary."""
         if self.uses_deepspeed:
             self.engine.backward(loss)
             self.engine.step()
             return
         loss.backward()
+        if not boundary:
+            return
         for param in self.params:  # average gradients across workers
             if param.grad is not None:
                 dist.all_reduce_sum(param.grad).div_(dist.world_size())
@@ -299,7 +304,7 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
             batch = [samples[i] for i in order.micro_batch(step - 1, micro_index, accum, rank, world)]
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
-            engine.backward_and_step(loss / (1 if engine.uses_deepspeed else accum))
+            engine.backward_and_step(loss / (1 if engine.uses_deepspeed else accum), boundary=micro_index == accum - 1)
             loss_sum += loss.detach().float()
             correct_sum, total_sum = correct_sum + correct, total_sum + total
             tokens += sum(int(s["loss_mask"].sum()) for s in batch)

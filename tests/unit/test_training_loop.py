@@ -11,7 +11,7 @@ from pipeline.errors import PipelineError
 from pipeline.training.loop import (Engine, GlobalOrder, deepspeed_config, native_bf16, resolve_autocast,
                                     warmup_cosine)
 from pipeline.training.resume import micro_batch_for, read_resume_point
-from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter
+from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
 
 TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
             "warmup_steps": 2, "max_steps": 10}
@@ -86,3 +86,20 @@ def test_plain_engine_steps_and_follows_the_schedule():
         lrs.append(engine.lr())
     assert not torch.equal(before, model.fc.weight)
     assert lrs == [3e-3, 3e-3 * warmup_cosine(2, 10)(2), 3e-3 * warmup_cosine(2, 10)(3)]
+
+
+def test_plain_engine_accumulates_micro_batches_into_one_step():
+    """Two micro-batches of half the loss, stepping at the boundary only == one step on both samples' mean loss."""
+    options = {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0}
+    samples = tiny_samples(2)
+    accumulated, single = tiny_drafter(), tiny_drafter()
+    engine = Engine(accumulated, {**TRAINING, "grad_accum_steps": 2}, {"enabled": False}, micro_batch=1)
+    for index, sample in enumerate(samples):
+        loss, _, _ = engine.module.training_loss([sample], options)
+        engine.backward_and_step(loss / 2, boundary=index == 1)
+    reference = Engine(single, TRAINING, {"enabled": False}, micro_batch=2)
+    losses = [reference.module.training_loss([sample], options)[0] for sample in samples]
+    reference.backward_and_step((losses[0] + losses[1]) / 2)
+    for (name, mine), theirs in zip(accumulated.named_parameters(), single.parameters()):
+        assert torch.allclose(mine, theirs, atol=1e-6), name
+    assert not torch.equal(accumulated.fc.weight, tiny_drafter().fc.weight)
