@@ -125,9 +125,11 @@ def serve_in_vllm(export: Path, verifier_path: str, prompts: Path, out: Path, k:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended  # about 8 min a drafter on 2 AVX2 cores: past CI's 90 min with the rest
 @pytest.mark.parametrize("drafter,overrides", [
     ("eagle3", ["drafter.draft_vocab_size=8192"]),  # a pruned vocabulary: vLLM maps drafts through d2t
     ("dflash", []),
+    ("dflash", ["drafter.draft_vocab_size=8192"]),
 ])
 def test_vllm_runs_trained_drafters_losslessly(default_run, smollm2_path, tmp_path, drafter, overrides):
     """EAGLE-3 and DFlash trained on the default run's SmolLM2 store (reused: same data), exported, served by
