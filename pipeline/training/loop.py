@@ -134,7 +134,7 @@ class Engine:
             self.module = self.engine.module
         else:
             self.module, self.optimizer, self.scheduler = model, optimizer, scheduler
-            self.params, self.clip = params, training["grad_clip"]
+            self.params, self.clip, self.accum = params, training["grad_clip"], training["grad_accum_steps"]
 
     def save_state(self, folder: Path) -> None:
         """Optimizer, scheduler (and, with DeepSpeed, weights) into `folder`; every rank calls it."""
@@ -168,14 +168,14 @@ class Engine:
             self.engine.load_checkpoint(str(point.deepspeed_dir), tag=DEEPSPEED_TAG)
 
     def backward_and_step(self, loss: torch.Tensor, boundary: bool = True) -> None:
-        """Backward one micro-batch; step the optimizer at the last micro-batch of a step (`boundary`). DeepSpeed
-        counts the micro-batches itself (gradient_accumulation_steps) and scales the loss; without it the caller
-        passes loss / accumulation steps and the gradients add up until the boundary."""
+        """Backward one micro-batch's mean loss; step the optimizer at the last micro-batch of a step (`boundary`).
+        DeepSpeed counts the micro-batches (gradient_accumulation_steps) and scales the loss itself; without it the
+        loss is scaled here and the gradients add up until the boundary."""
         if self.uses_deepspeed:
             self.engine.backward(loss)
             self.engine.step()
             return
-        loss.backward()
+        (loss / self.accum).backward()
         if not boundary:
             return
         for param in self.params:  # average gradients across workers
@@ -304,7 +304,7 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
             batch = [samples[i] for i in order.micro_batch(step - 1, micro_index, accum, rank, world)]
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
-            engine.backward_and_step(loss / (1 if engine.uses_deepspeed else accum), boundary=micro_index == accum - 1)
+            engine.backward_and_step(loss, boundary=micro_index == accum - 1)
             loss_sum += loss.detach().float()
             correct_sum, total_sum = correct_sum + correct, total_sum + total
             tokens += sum(int(s["loss_mask"].sum()) for s in batch)

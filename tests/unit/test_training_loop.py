@@ -89,14 +89,14 @@ def test_plain_engine_steps_and_follows_the_schedule():
 
 
 def test_plain_engine_accumulates_micro_batches_into_one_step():
-    """Two micro-batches of half the loss, stepping at the boundary only == one step on both samples' mean loss."""
+    """Two micro-batches, stepping at the boundary only == one step on both samples' mean loss."""
     options = {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0}
     samples = tiny_samples(2)
     accumulated, single = tiny_drafter(), tiny_drafter()
     engine = Engine(accumulated, {**TRAINING, "grad_accum_steps": 2}, {"enabled": False}, micro_batch=1)
     for index, sample in enumerate(samples):
         loss, _, _ = engine.module.training_loss([sample], options)
-        engine.backward_and_step(loss / 2, boundary=index == 1)
+        engine.backward_and_step(loss, boundary=index == 1)  # the engine scales by 1 / grad_accum_steps
     reference = Engine(single, TRAINING, {"enabled": False}, micro_batch=2)
     losses = [reference.module.training_loss([sample], options)[0] for sample in samples]
     reference.backward_and_step((losses[0] + losses[1]) / 2)
