@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeline.drafters.chains import attention_allowed, sample_training_rows
 from pipeline.drafters.common import DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary
-from pipeline.losses.distill import distill_rows, pad_stack
+from pipeline.losses.distill import distill_rows, on_model_device, pad_stack
 
 
 class EagleFamilyDrafter(DrafterBase):
@@ -80,15 +80,17 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
     valid = pad_stack([torch.ones_like(r[0], dtype=torch.bool) for r in rows], False)  # [B, R]
     aux = pad_stack([s["aux"].float() for s in samples], 0.0)  # [B, T, A*H]
     next_ids = pad_stack([torch.cat([s["input_ids"][1:], s["input_ids"][:1] * 0]) for s in samples], 0)  # [B, T]
+    last = pad_stack([s["last"].float() for s in samples], 0.0)  # [B, T, H]
+    anchors, depths, has_target, valid, aux, next_ids, last = on_model_device(
+        model, anchors, depths, has_target, valid, aux, next_ids, last)
     hidden = model(aux, next_ids, anchors, depths, valid)  # [B, R, H]
 
     batch_index, row_index = has_target.nonzero(as_tuple=True)  # rows that draft an assistant token
     if batch_index.numel() == 0:
-        zeros = torch.zeros(num_depths, dtype=torch.long)
+        zeros = torch.zeros(num_depths, dtype=torch.long, device=hidden.device)
         return hidden.sum() * 0.0, zeros, zeros.clone()
     row_anchor, row_depth = anchors[batch_index, row_index], depths[batch_index, row_index]
     teacher_pos = row_anchor + 1 + row_depth  # the verifier position whose next-token distribution we match
-    last = pad_stack([s["last"].float() for s in samples], 0.0)  # [B, T, H]
     with torch.no_grad():
         teacher = model.teacher_logits(last[batch_index, teacher_pos])  # [N, V]
     student = model.lm_head(hidden[batch_index, row_index])  # [N, Vd]

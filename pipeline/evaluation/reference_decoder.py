@@ -19,7 +19,7 @@ class GreedySpeculativeDecoder:
         self.aux_layer_ids = list(drafter.spec.aux_layer_ids)
 
     def _verifier_step(self, input_ids: list[int], cache: Optional[Any]):
-        out = self.verifier(input_ids=torch.tensor([input_ids]), past_key_values=cache, use_cache=True,
+        out = self.verifier(input_ids=torch.tensor([input_ids], device=self.verifier.device), past_key_values=cache, use_cache=True,
                             output_hidden_states=True)
         features = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1).float()  # [N, A*H]
         return out.logits[0].argmax(dim=-1).tolist(), features, out.past_key_values
@@ -54,13 +54,14 @@ class GreedySpeculativeDecoder:
     def _draft(self, features: torch.Tensor, tokens: list[int], proposed: int) -> list[int]:
         if proposed == 0:
             return []
-        next_ids = torch.tensor([tokens[1:]])  # [1, T]: token t + 1 paired with the features at t
+        next_ids = torch.tensor([tokens[1:]], device=features.device)  # [1, T]: token t + 1 paired with the features at t
         return self.drafter.draft(features[None], next_ids, proposed).tolist()[:proposed]
 
 
 @torch.no_grad()
 def verifier_greedy(verifier: Any, prompt: list[int], max_new_tokens: int, eos_token_id: Optional[int]) -> list[int]:
-    out = verifier.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    ids = torch.tensor([prompt], device=verifier.device)
+    out = verifier.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                             pad_token_id=eos_token_id)
     return out[0, len(prompt):].tolist()

@@ -69,6 +69,7 @@ def run(ctx: Context, checkpoint: Path, held_out) -> dict:
     if hasattr(drafter, "confidence_threshold"):  # DSpark: the block truncation is a decoding setting
         drafter.confidence_threshold = float(ctx.cfg.evaluation.confidence_threshold)
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
+    drafter.to(verifier.device)
     conversations = [prompt_messages(row["messages"]) for row in held_out]
     log.info("evaluate: %d held-out prompts, K=%d", len(conversations), ctx.cfg.evaluation.num_speculative_tokens)
     report = evaluate_prompts(verifier, tokenizer, drafter, conversations, ctx.cfg.evaluation)

@@ -22,8 +22,9 @@ class HFVerifier:
         """Responses (left-padded batch); each is cut at its budget and just after the first eos."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.model.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
             "do_sample": False}
         torch.manual_seed(seed)  # HF draws one stream per batch: sampled output depends on the batch's seed
@@ -74,12 +75,13 @@ class HFVerifier:
         finally:
             for handle in handles:
                 handle.remove()
-        return [{i: outputs[i][row, : len(ids)].float() for i in layer_ids} for row, ids in enumerate(batch)]
+        return [{i: outputs[i][row, : len(ids)].float().cpu() for i in layer_ids} for row, ids in enumerate(batch)]
 
     def _right_padded(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         # Right padding: causal attention keeps every real position independent of the padding after it.
         pad = self.tokenizer.pad_token_id
         width = max(len(ids) for ids in batch)
-        ids = torch.tensor([list(ids) + [pad] * (width - len(ids)) for ids in batch])
-        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in batch])
+        device = self.model.device
+        ids = torch.tensor([list(ids) + [pad] * (width - len(ids)) for ids in batch], device=device)
+        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in batch], device=device)
         return ids, attention

@@ -91,13 +91,18 @@ def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None
     tokenizer.save_pretrained(out_dir)
 
 
+def compute_device() -> torch.device:
+    """The GPU where this process sees one (a Ray actor or worker given num_gpus), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_verifier(path: str, dtype: str = "float32"):
-    """Load (model, tokenizer) in eval mode with gradients off."""
+    """Load (model, tokenizer) on the compute device, in eval mode with gradients off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    model.eval().requires_grad_(False)
+    model.to(compute_device()).eval().requires_grad_(False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -41,6 +41,12 @@ def distill_rows(model: Any, student_logits: torch.Tensor, teacher_full: torch.T
     return loss, correct, total
 
 
+def on_model_device(model: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The row/anchor index math runs on the CPU (its seeded generator lives there); the model may be on a GPU."""
+    device = next(model.parameters()).device
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
+
+
 def pad_stack(tensors: list[torch.Tensor], fill: int | float | bool) -> torch.Tensor:
     longest = max(t.shape[0] for t in tensors)
     out = torch.full((len(tensors), longest, *tensors[0].shape[1:]), fill, dtype=tensors[0].dtype)

@@ -28,7 +28,25 @@ def is_rank_zero() -> bool:
     return rank() == 0
 
 
+def device() -> torch.device:
+    """This worker's device: its GPU under Ray Train with use_gpu (Ray sets CUDA_VISIBLE_DEVICES), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    try:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    except Exception:  # outside a Ray Train worker
+        return torch.device("cuda", torch.cuda.current_device())
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+    """Sum over every rank, in place. NCCL reduces GPU tensors only, so a CPU tensor goes through the GPU."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return tensor
+    if torch_dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        on_gpu = tensor.to(device())
+        torch_dist.all_reduce(on_gpu, op=torch_dist.ReduceOp.SUM)
+        return tensor.copy_(on_gpu)
+    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
     return tensor

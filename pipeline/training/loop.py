@@ -132,8 +132,8 @@ class Engine:
                 model=model, optimizer=optimizer, lr_scheduler=scheduler,
                 config=deepspeed_config(ds, training, micro_batch, load_universal))
             self.module = self.engine.module
-        else:
-            self.module, self.optimizer, self.scheduler = model, optimizer, scheduler
+        else:  # DeepSpeed places the model itself
+            self.module, self.optimizer, self.scheduler = model.to(dist.device()), optimizer, scheduler
             self.params, self.clip, self.accum = params, training["grad_clip"], training["grad_accum_steps"]
 
     def save_state(self, folder: Path) -> None:
@@ -263,7 +263,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     training, ds = config["training"], config["deepspeed"]
     torch.set_num_threads(training["torch_threads_per_worker"])
     torch.manual_seed(training["seed"])  # identical initial weights on every rank (DeepSpeed broadcasts rank 0's)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    os.environ.setdefault("DS_ACCELERATOR", dist.device().type)
     spec = DrafterSpec.from_dict(config["spec"])
     samples = _all_samples(Path(config["store_dir"]), spec, config["last_layer_id"])
     accum, world = training["grad_accum_steps"], dist.world_size()
@@ -292,7 +292,7 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
     training = config["training"]
     accum, world, rank = training["grad_accum_steps"], dist.world_size(), dist.rank()
     generator = torch.Generator()
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = dist.device().type
     autocast = resolve_autocast(training.get("autocast_dtype"), device_type)
     sink.tag("train.autocast", str(autocast).replace("torch.", "") if autocast else "float32")
     progress = _progress(training["max_steps"], start)
@@ -305,8 +305,8 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
             engine.backward_and_step(loss, boundary=micro_index == accum - 1)
-            loss_sum += loss.detach().float()
-            correct_sum, total_sum = correct_sum + correct, total_sum + total
+            loss_sum += loss.detach().float().cpu()
+            correct_sum, total_sum = correct_sum + correct.cpu(), total_sum + total.cpu()
             tokens += sum(int(s["loss_mask"].sum()) for s in batch)
             window_steps += 1
         progress.update(1)

@@ -44,8 +44,8 @@ def validate(model: torch.nn.Module, share: list[tuple[dict, bool]], options: di
         for sample, is_counted in share:
             loss, correct, total = model.training_loss([sample], deterministic_options(options),
                                                        torch.Generator().manual_seed(0))
-            row = torch.cat([torch.stack([loss.double(), torch.tensor(1.0, dtype=torch.float64)]),
-                             correct.double(), total.double()]) * float(is_counted)
+            row = torch.cat([torch.stack([loss.double().cpu(), torch.tensor(1.0, dtype=torch.float64)]),
+                             correct.double().cpu(), total.double().cpu()]) * float(is_counted)
             sums = row if sums is None else sums + row
     model.train()
     sums = dist.all_reduce_sum(sums)

@@ -33,17 +33,18 @@ def block_attention_allowed(context_length: int, anchors: torch.Tensor, anchor_v
     """
     batch, num_blocks = anchors.shape
     slots = num_blocks * block_size
+    device = anchors.device
     query_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, N*bs]
-    context = torch.arange(context_length)[None, None, :] < query_anchor[:, :, None]  # [B, N*bs, T]
-    block_of = torch.arange(slots) // block_size
-    slot_of = torch.arange(slots) % block_size
+    context = torch.arange(context_length, device=device)[None, None, :] < query_anchor[:, :, None]  # [B, N*bs, T]
+    block_of = torch.arange(slots, device=device) // block_size
+    slot_of = torch.arange(slots, device=device) % block_size
     same_block = block_of[:, None] == block_of[None, :]
     if causal:
         same_block = same_block & (slot_of[None, :] <= slot_of[:, None])
     valid = anchor_valid.repeat_interleave(block_size, dim=1)  # [B, N*bs]
     context = context & valid[:, :, None]
     within = same_block[None] & valid[:, :, None] & valid[:, None, :]
-    within = within | (torch.eye(slots, dtype=torch.bool)[None] & ~valid[:, :, None])
+    within = within | (torch.eye(slots, dtype=torch.bool, device=device)[None] & ~valid[:, :, None])
     return torch.cat([context, within], dim=-1)
 
 

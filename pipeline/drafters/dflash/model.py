@@ -17,7 +17,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
 from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
-from pipeline.losses.distill import distill_rows, pad_stack
+from pipeline.losses.distill import distill_rows, on_model_device, pad_stack
 
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act",
@@ -170,7 +170,7 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options.get("max_anchors"), generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        zeros = torch.zeros(num_drafts, dtype=torch.long)
+        zeros = torch.zeros(num_drafts, dtype=torch.long, device=zero.device)
         return zero, zeros, zeros.clone(), None
     anchors = pad_stack([a if a.numel() else torch.zeros(1, dtype=torch.long) for a in anchor_lists], 0)  # [B, N]
     anchor_valid = pad_stack([torch.ones(max(a.numel(), 1), dtype=torch.bool) & (a.numel() > 0)
@@ -179,10 +179,13 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     input_ids = pad_stack([s["input_ids"] for s in samples], 0)
     loss_mask = pad_stack([s["loss_mask"] for s in samples], 0)
     last = pad_stack([s["last"].float() for s in samples], 0.0)
+    anchors, anchor_valid, aux, input_ids, loss_mask, last = on_model_device(
+        model, anchors, anchor_valid, aux, input_ids, loss_mask, last)
     hidden = model(aux, input_ids, anchors, anchor_valid)  # [B, N*bs, H]
     hidden = hidden.view(*anchors.shape, bs, -1)[:, :, model.first_draft_slot:]  # [B, N, K, H]: drafting slots
 
-    target_pos = anchors[:, :, None] + 1 + torch.arange(num_drafts)  # [B, N, K]: draft j of block p is p + 1 + j
+    # [B, N, K]: draft j of block p is p + 1 + j
+    target_pos = anchors[:, :, None] + 1 + torch.arange(num_drafts, device=anchors.device)
     length = input_ids.shape[1]
     inside = target_pos < length
     trainable = anchor_valid[:, :, None] & inside & torch.gather(
@@ -194,7 +197,7 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
         teacher = model.teacher_logits(last[b, before])  # the verifier's next-token view there
     rows = hidden[b, n, j]  # [M, H]
     student = model.correct_logits(model.lm_head(rows), previous)
-    weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0))[j]
+    weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0)).to(rows.device)[j]
     loss, correct, total = distill_rows(model, student, teacher, j, weights)
     extras = {"hidden": rows, "previous": previous, "student": student, "teacher": teacher, "weights": weights}
     return loss, correct, total, extras

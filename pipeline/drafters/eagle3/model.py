@@ -18,9 +18,10 @@ def parent_rows(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor
     """[B, R] index of row (anchor, depth - 1) for each row (itself for depth 0 and padding rows)."""
     batch, rows = anchors.shape
     span = int(anchors.max()) + 1
-    table = torch.zeros(batch, int(depths.max()) + 1, span, dtype=torch.long)
-    row_ids = torch.arange(rows).expand(batch, rows)
-    batch_ids = torch.arange(batch)[:, None].expand(batch, rows)
+    device = anchors.device
+    table = torch.zeros(batch, int(depths.max()) + 1, span, dtype=torch.long, device=device)
+    row_ids = torch.arange(rows, device=device).expand(batch, rows)
+    batch_ids = torch.arange(batch, device=device)[:, None].expand(batch, rows)
     table[batch_ids[valid], depths[valid], anchors[valid]] = row_ids[valid]
     parents = table[batch_ids, (depths - 1).clamp_min(0), anchors]
     return torch.where((depths > 0) & valid, parents, row_ids)
