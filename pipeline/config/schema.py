@@ -113,8 +113,14 @@ class TrainingConfig:
     name: str = MISSING
     num_workers: int = 2
     max_steps: int = 200
-    # Sequences per worker per micro-step.
+    # Sequences per worker per micro-step; with a token budget, packed micro-batches per worker per micro-step.
     micro_batch_size: int = 2
+    # Pack each micro-batch with consecutive samples of the epoch's shuffled order up to this many tokens (a longer
+    # sample trains alone); 0 = micro_batch_size whole sequences. The packing is part of the data order: a resume
+    # keeps it.
+    max_tokens_per_micro_batch: int = 0
+    # Micro-batches each worker's Ray Data stream reads ahead of the training step.
+    prefetch_micro_batches: int = 2
     grad_accum_steps: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.0

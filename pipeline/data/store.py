@@ -191,11 +191,50 @@ def iter_trained_tokens(store_dir: Path, manifest: dict) -> Iterator[torch.Tenso
         yield input_ids[loss_mask.bool()]
 
 
-def iter_samples(store_dir: Path, manifest: dict, aux_layer_ids: list[int], last_layer_id: int) -> Iterator[dict]:
-    """Yield {sample_id, input_ids, loss_mask, aux [T, A*H], last [T, H]} for every sample of the store."""
-    missing = [i for i in [*aux_layer_ids, last_layer_id] if i not in manifest["layer_ids"]]
+def sample_locations(store_dir: Path, manifest: dict) -> list[dict]:
+    """Every sample of the store in store order: {sample_id, file, start, end}. Reads only each shard's offsets,
+    so a reader can fetch any sample later without holding the store."""
+    locations = []
+    for shard in manifest["shards"]:
+        with safe_open(str(store_dir / shard["file"]), framework="pt") as handle:
+            offsets = handle.get_tensor("offsets").tolist()
+        locations += [{"sample_id": sample_id, "file": shard["file"], "start": offsets[i], "end": offsets[i + 1]}
+                      for i, sample_id in enumerate(shard["sample_ids"])]
+    return locations
+
+
+def _check_layers(manifest: dict, layer_ids: list[int]) -> None:
+    missing = [i for i in layer_ids if i not in manifest["layer_ids"]]
     if missing:
         raise PipelineError(f"store: layers {missing} were not captured (store has {manifest['layer_ids']})")
+
+
+def _read_hidden_rows(handle: Any, layer_id: int, start: int, end: int) -> torch.Tensor:
+    values = handle.get_slice(f"hidden.{layer_id}")[start:end]
+    scale = handle.get_slice(f"scale.{layer_id}")[start:end] if values.dtype == FP8 else None
+    return _as_read(values, scale)
+
+
+def read_samples(store_dir: Path, locations: list[dict], aux_layer_ids: list[int], last_layer_id: int) -> list[dict]:
+    """The samples at `locations` (from sample_locations), each read as row slices of its shard: the same dicts as
+    iter_samples yields, without loading whole shards."""
+    samples = []
+    for where in locations:
+        start, end = where["start"], where["end"]
+        with safe_open(str(store_dir / where["file"]), framework="pt") as handle:
+            samples.append({
+                "sample_id": where["sample_id"],
+                "input_ids": handle.get_slice("input_ids")[start:end],
+                "loss_mask": handle.get_slice("loss_mask")[start:end].long(),
+                "aux": torch.cat([_read_hidden_rows(handle, i, start, end) for i in aux_layer_ids], dim=-1),
+                "last": _read_hidden_rows(handle, last_layer_id, start, end),
+            })
+    return samples
+
+
+def iter_samples(store_dir: Path, manifest: dict, aux_layer_ids: list[int], last_layer_id: int) -> Iterator[dict]:
+    """Yield {sample_id, input_ids, loss_mask, aux [T, A*H], last [T, H]} for every sample of the store."""
+    _check_layers(manifest, [*aux_layer_ids, last_layer_id])
     for shard in manifest["shards"]:
         with safe_open(str(store_dir / shard["file"]), framework="pt") as handle:
             offsets = handle.get_tensor("offsets").tolist()

@@ -12,15 +12,17 @@ from typing import Any
 
 import torch
 
-from pipeline.data.store import iter_samples, verify_store
+from pipeline.data.store import read_samples, sample_locations, verify_store
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
 from pipeline.evaluation.metrics import expected_tau
 from pipeline.tracking import log_metric_batch
 from pipeline.training import dist
 from pipeline.training.checkpoint import load_trainable_weights, save_checkpoint
+from pipeline.training.feed import plan_row, stream_micro_batches
+from pipeline.training.order import GlobalOrder
 from pipeline.training.resume import (
-    DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint,
+    DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint, check_same_data_order,
     convert_to_universal, micro_batch_for, needs_universal, read_resume_point,
 )
 from pipeline.training.validation import split_validation, validate, validation_share
@@ -75,38 +77,6 @@ def warmup_cosine(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return factor
-
-
-class GlobalOrder:
-    """The sample order of the whole run, the same for any number of workers.
-
-    Epoch e visits the samples in a permutation seeded by (seed, e); optimizer step s consumes the global batch of
-    positions [s*G, (s+1)*G) of the endless epoch-after-epoch stream. Worker r's micro-batch m is a fixed slice of
-    that global batch, so a resumed run (on any world size that divides G) continues the exact same stream.
-    """
-
-    def __init__(self, num_samples: int, global_batch: int, seed: int):
-        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
-        self._permutations: dict[int, list[int]] = {}
-
-    def _permutation(self, epoch: int) -> list[int]:
-        if epoch not in self._permutations:
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._permutations = {epoch: torch.randperm(self.num_samples, generator=generator).tolist()}
-        return self._permutations[epoch]
-
-    def epoch(self, step: int) -> int:
-        return (step * self.global_batch) // self.num_samples
-
-    def micro_batch(self, step: int, micro: int, accum: int, rank: int, world: int) -> list[int]:
-        """Sample indices of worker `rank`'s micro-batch `micro` at 0-based optimizer step `step`."""
-        per_worker = self.global_batch // (accum * world)
-        start = step * self.global_batch + (micro * world + rank) * per_worker
-        indices = []
-        for position in range(start, start + per_worker):
-            epoch, offset = divmod(position, self.num_samples)
-            indices.append(self._permutation(epoch)[offset])
-        return indices
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -193,10 +163,30 @@ class Engine:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def _all_samples(store_dir: Path, spec: DrafterSpec, last_layer_id: int) -> list[dict]:
-    """Every worker holds the store: which samples it trains on at a step comes from GlobalOrder."""
-    manifest = verify_store(store_dir)
-    return list(iter_samples(store_dir, manifest, spec.aux_layer_ids, last_layer_id))
+class StoreData:
+    """Where the store's samples lie (no hidden states): the order is planned on these, Ray Data reads them."""
+
+    def __init__(self, store_dir: Path, spec: DrafterSpec, last_layer_id: int, training: dict):
+        self.store_dir, self.aux_layer_ids, self.last_layer_id = store_dir, list(spec.aux_layer_ids), last_layer_id
+        locations = sample_locations(store_dir, verify_store(store_dir))
+        self.train, held_out = split_validation(locations, training["val_samples"], training["seed"])
+        self.held_out = self.read(held_out)  # a few samples, validated at every checkpoint: kept in memory
+
+    def read(self, locations: list[dict]) -> list[dict]:
+        return read_samples(self.store_dir, locations, self.aux_layer_ids, self.last_layer_id)
+
+    def lengths(self) -> list[int]:
+        return [w["end"] - w["start"] for w in self.train]
+
+    def stream(self, order: GlobalOrder, start: int, training: dict, rank: int, world: int):
+        """This worker's micro-batches from optimizer step start + 1 to the end of the run, in order."""
+        accum = training["grad_accum_steps"]
+        plan = [plan_row(step, micro, [self.train[i] for i in order.micro_batch(step - 1, micro, accum, rank, world)])
+                for step in range(start + 1, training["max_steps"] + 1) for micro in range(accum)]
+        if not plan:
+            return iter(())
+        return stream_micro_batches(plan, str(self.store_dir), self.aux_layer_ids, self.last_layer_id,
+                                    training["prefetch_micro_batches"])
 
 
 class MetricsSink:
@@ -219,15 +209,16 @@ class MetricsSink:
 
 
 def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Tensor, tokens: torch.Tensor,
-                  elapsed: float, lr: float) -> dict[str, float]:
+                  sequences: int, micro_batches: int, elapsed: float, lr: float) -> dict[str, float]:
     reduced = dist.all_reduce_sum(torch.cat([loss_sum.reshape(1), correct.double(), total.double(),
-                                             tokens.double().reshape(1)]))
+                                             tokens.double().reshape(1), torch.tensor([float(sequences)])]))
     k = correct.shape[0]
     loss = reduced[0].item() / dist.world_size()
-    correct, total, tokens = reduced[1:1 + k], reduced[1 + k:1 + 2 * k], reduced[-1].item()
+    correct, total, tokens = reduced[1:1 + k], reduced[1 + k:1 + 2 * k], reduced[-2].item()
     accuracy = [(c / t).item() if t > 0 else 0.0 for c, t in zip(correct, total)]
     metrics = {"train.loss": loss, "train.lr": lr, "train.tokens_per_s": tokens / max(elapsed, 1e-9),
-               "train.proxy_tau": expected_tau(accuracy)}
+               "train.proxy_tau": expected_tau(accuracy),
+               "train.sequences_per_micro_batch": reduced[-1].item() / (micro_batches * dist.world_size())}
     metrics.update({f"train.acc_pos{i + 1}": a for i, a in enumerate(accuracy)})
     return metrics
 
@@ -265,11 +256,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.manual_seed(training["seed"])  # identical initial weights on every rank (DeepSpeed broadcasts rank 0's)
     os.environ.setdefault("DS_ACCELERATOR", dist.device().type)
     spec = DrafterSpec.from_dict(config["spec"])
-    samples = _all_samples(Path(config["store_dir"]), spec, config["last_layer_id"])
+    data = StoreData(Path(config["store_dir"]), spec, config["last_layer_id"], training)
     accum, world = training["grad_accum_steps"], dist.world_size()
     model = build_drafter(spec).train()
     with _checkpoint_folder(config) as folder, tempfile.TemporaryDirectory() as scratch:
         point = read_resume_point(Path(folder) if folder else None, spec)
+        if point:
+            check_same_data_order(point, training)
         global_batch = point.global_batch if point else training["micro_batch_size"] * accum * world
         micro = micro_batch_for(global_batch, accum, world)
         zero_stage = int(ds["zero_stage"]) if ds["enabled"] else -1
@@ -277,17 +270,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         load_universal=bool(point and needs_universal(point, world, zero_stage)))
         if point:
             engine.load_state(point, Path(scratch))
-    samples, held_out = split_validation(samples, training["val_samples"], training["seed"])
-    order = GlobalOrder(len(samples), global_batch, training["seed"])
+    order = GlobalOrder(data.lengths(), global_batch, training["seed"], training["max_tokens_per_micro_batch"])
     sink = MetricsSink(config.get("tracking_uri"), config.get("run_id"))
+    start = point.step if point else 0
     if point:
         sink.log({"train.resumed_from_step": point.step, "train.resumed_from_world_size": point.world_size},
                  point.step)
-    _train_steps(config, engine, samples, order, point.step if point else 0, micro, sink,
-                 validation_share(held_out, dist.rank(), world) if held_out else [])
+    _train_steps(config, engine, data.stream(order, start, training, dist.rank(), world), order, start, micro, sink,
+                 validation_share(data.held_out, dist.rank(), world) if data.held_out else [])
 
 
-def _train_steps(config: dict, engine: Engine, samples: list[dict], order: GlobalOrder, start: int,
+def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: int,
                  micro: int, sink: MetricsSink, held_out_share: list[tuple[dict, bool]]) -> None:
     training = config["training"]
     accum, world, rank = training["grad_accum_steps"], dist.world_size(), dist.rank()
@@ -298,16 +291,22 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
     progress = _progress(training["max_steps"], start)
     window_start = time.time()
     loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
+    sequences = 0
     for step in range(start + 1, training["max_steps"] + 1):
         generator.manual_seed(step_seed(training["seed"], step, rank))
         for micro_index in range(accum):
-            batch = [samples[i] for i in order.micro_batch(step - 1, micro_index, accum, rank, world)]
+            fed = next(feed)
+            if (fed["step"], fed["micro"]) != (step, micro_index):  # the stream must be the planned order
+                raise RuntimeError(f"data stream out of order: got step {fed['step']} micro {fed['micro']}, "
+                                   f"expected step {step} micro {micro_index}")
+            batch = fed["samples"]
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
             engine.backward_and_step(loss, boundary=micro_index == accum - 1)
             loss_sum += loss.detach().float().cpu()
             correct_sum, total_sum = correct_sum + correct.cpu(), total_sum + total.cpu()
             tokens += sum(int(s["loss_mask"].sum()) for s in batch)
+            sequences += len(batch)
             window_steps += 1
         progress.update(1)
         last = step == training["max_steps"]
@@ -315,7 +314,7 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
         if not (step % training["log_every"] == 0 or with_checkpoint):
             continue
         # Every rank reaches this on the same steps: the reductions and ray.train.report stay in lockstep.
-        metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens,
+        metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens, sequences, window_steps,
                                 time.time() - window_start, engine.lr())
         epoch = order.epoch(step - 1)
         metrics.update({"train.epoch": epoch, "train.world_size": world, "train.zero_stage": engine.zero_stage(),
@@ -325,12 +324,13 @@ def _train_steps(config: dict, engine: Engine, samples: list[dict], order: Globa
                                     torch.autocast(device_type, dtype=autocast) if autocast else None))
         sink.log(metrics, step)
         progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
-        state = {"step": step, "epoch": epoch, "samples_seen": step * order.global_batch,
+        state = {"step": step, "epoch": epoch, "micro_batches_seen": step * order.global_batch,
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
-                 "deepspeed": engine.uses_deepspeed}
+                 "deepspeed": engine.uses_deepspeed, "token_budget": order.token_budget,
+                 "val_samples": training["val_samples"]}
         _report({**metrics, "step": step}, engine, state, with_checkpoint)
         loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
-        window_start = time.time()
+        sequences, window_start = 0, time.time()
     progress.close()
 
 

@@ -211,3 +211,25 @@ def test_the_final_checkpoint_is_the_best_validated_one(store, tiny_verifier_pat
     assert scores[state["step"]] == max(scores.values())
     assert run.data.metrics["train.best_val_proxy_tau"] == pytest.approx(max(scores.values()))
     assert run.data.metrics["train.best_step"] == state["step"]
+
+
+@pytest.mark.slow
+def test_packed_micro_batches_follow_the_same_loss_curve_on_one_or_two_workers(store, tiny_verifier_path):
+    """Packing to a token budget is part of the global order: 1 worker accumulating 2 packed micro-batches and
+    2 ZeRO-2 workers of 1 train on the same samples at every step."""
+    packing = ["training.max_tokens_per_micro_batch=200"]
+    single = loss_curve(store, tiny_verifier_path, "packed-single", "deepspeed=none", "training.num_workers=1",
+                        "training.grad_accum_steps=2", *packing)
+    cfg, _ = with_store(store, tiny_verifier_path, "packed-zero2", *DETERMINISTIC, "deepspeed=zero2",
+                        "training.num_workers=2", *packing)
+    run_stages(cfg, "train", ["train"])
+    sharded = losses_by_step(cfg)
+    assert sorted(single) == sorted(sharded) == list(range(1, 7)) and single[6] < single[1]
+    for step in single:
+        assert sharded[step] == pytest.approx(single[step], rel=1e-3, abs=1e-4), (step, sharded, single)
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    [run] = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'")
+    assert run.data.metrics["train.sequences_per_micro_batch"] > 1.5  # the budget really packed several
+    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
+    assert state["token_budget"] == 200

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.training.loop import (Engine, GlobalOrder, deepspeed_config, native_bf16, resolve_autocast,
-                                    warmup_cosine)
+from pipeline.training.loop import Engine, deepspeed_config, native_bf16, resolve_autocast, warmup_cosine
+from pipeline.training.order import GlobalOrder, pack_to_token_budget
 from pipeline.training.resume import micro_batch_for, read_resume_point
 from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
 
@@ -18,7 +18,7 @@ TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr"
 
 
 def test_the_global_order_is_seeded_reshuffled_each_epoch_and_free_of_the_world_size():
-    order = GlobalOrder(num_samples=6, global_batch=4, seed=3)
+    order = GlobalOrder([10] * 6, global_batch=4, seed=3)
     two_workers = [[i for rank in range(2) for i in order.micro_batch(step, 0, 1, rank, 2)] for step in range(6)]
     one_worker = [order.micro_batch(step, 0, 1, 0, 1) for step in range(6)]
     two_micro_steps = [[i for m in range(2) for i in order.micro_batch(step, m, 2, 0, 1)] for step in range(6)]
@@ -26,8 +26,24 @@ def test_the_global_order_is_seeded_reshuffled_each_epoch_and_free_of_the_world_
     stream = [i for batch in one_worker for i in batch]  # 24 positions = 4 epochs of 6
     epochs = [stream[e * 6:(e + 1) * 6] for e in range(4)]
     assert all(sorted(e) == list(range(6)) for e in epochs) and epochs[0] != epochs[1]
-    assert GlobalOrder(6, 4, seed=3).micro_batch(5, 0, 1, 0, 1) == one_worker[5]  # a fresh object agrees
+    assert GlobalOrder([10] * 6, 4, seed=3).micro_batch(5, 0, 1, 0, 1) == one_worker[5]  # a fresh object agrees
     assert order.epoch(5) == 3
+
+
+def test_packing_fills_each_micro_batch_up_to_the_token_budget_in_the_shuffled_order():
+    assert pack_to_token_budget([3, 0, 1, 2], [5, 3, 9, 2], 8) == [[3, 0], [1], [2]]  # 2+5, 3 then 9 alone, 9
+    lengths = [5, 3, 9, 2, 2, 4, 6, 1]
+    order = GlobalOrder(lengths, global_batch=2, seed=1, token_budget=8)
+    for epoch in range(3):
+        units = order.units(epoch)
+        assert sorted(i for unit in units for i in unit) == list(range(8))  # every sample once per epoch
+        assert all(sum(lengths[i] for i in unit) <= 8 or len(unit) == 1 for unit in units)
+    one_worker = [order.micro_batch(step, 0, 1, 0, 1) for step in range(9)]
+    two_workers = [[i for rank in range(2) for i in order.micro_batch(step, 0, 1, rank, 2)] for step in range(9)]
+    fresh = GlobalOrder(lengths, global_batch=2, seed=1, token_budget=8)
+    assert one_worker == two_workers == [fresh.micro_batch(step, 0, 1, 0, 1) for step in reversed(range(9))][::-1]
+    stream = [unit for epoch in range(4) for unit in order.units(epoch)]
+    assert one_worker == [stream[2 * s] + stream[2 * s + 1] for s in range(9)]  # epochs follow each other
 
 
 def test_a_resume_splits_the_saved_global_batch_or_refuses():
