@@ -43,8 +43,8 @@ class ResumePoint:
     world_size: int
     zero_stage: int
     uses_deepspeed: bool
-    token_budget: int = 0
-    val_samples: int = 0
+    token_budget: Optional[int] = None  # None: a checkpoint from before these were recorded
+    val_samples: Optional[int] = None
 
     @property
     def deepspeed_dir(self) -> Path:
@@ -77,14 +77,14 @@ def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[Res
         raise PipelineError(f"training.resume_from: '{folder}' holds weights only (no optimizer state to resume)")
     return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
                        world_size=int(state["world_size"]), zero_stage=int(state["zero_stage"]),
-                       uses_deepspeed=bool(state["deepspeed"]), token_budget=int(state.get("token_budget", 0)),
-                       val_samples=int(state.get("val_samples", 0)))
+                       uses_deepspeed=bool(state["deepspeed"]), token_budget=state.get("token_budget"),
+                       val_samples=state.get("val_samples"))
 
 
 def check_same_data_order(point: ResumePoint, training: dict) -> None:
     """The packing and the held-out samples are part of the data order a resume continues."""
     for key, saved in (("max_tokens_per_micro_batch", point.token_budget), ("val_samples", point.val_samples)):
-        if int(training[key]) != saved:
+        if saved is not None and int(training[key]) != int(saved):
             raise PipelineError(f"training.{key}: checkpoint '{point.folder}' was trained with {saved}, this run "
                                 f"has {training[key]}; a resume must keep the data order")
 

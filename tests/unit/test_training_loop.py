@@ -10,7 +10,7 @@ import torch
 from pipeline.errors import PipelineError
 from pipeline.training.loop import Engine, deepspeed_config, native_bf16, resolve_autocast, warmup_cosine
 from pipeline.training.order import GlobalOrder, pack_to_token_budget
-from pipeline.training.resume import micro_batch_for, read_resume_point
+from pipeline.training.resume import ResumePoint, check_same_data_order, micro_batch_for, read_resume_point
 from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
 
 TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
@@ -50,6 +50,16 @@ def test_a_resume_splits_the_saved_global_batch_or_refuses():
     assert micro_batch_for(8, accum=1, world_size=2) == 4 and micro_batch_for(8, accum=2, world_size=1) == 4
     with pytest.raises(PipelineError, match="does not split over 3 workers"):
         micro_batch_for(8, accum=1, world_size=3)
+
+
+def test_a_resume_keeps_the_packing_and_the_held_out_samples(tmp_path):
+    point = ResumePoint(tmp_path, step=3, global_batch=2, world_size=2, zero_stage=2, uses_deepspeed=True,
+                        token_budget=0, val_samples=4)
+    check_same_data_order(point, {"max_tokens_per_micro_batch": 0, "val_samples": 4})
+    with pytest.raises(PipelineError, match="training.max_tokens_per_micro_batch: checkpoint .* trained with 0"):
+        check_same_data_order(point, {"max_tokens_per_micro_batch": 4096, "val_samples": 4})
+    with pytest.raises(PipelineError, match="training.val_samples: checkpoint .* trained with 4, this run has 2"):
+        check_same_data_order(point, {"max_tokens_per_micro_batch": 0, "val_samples": 2})
 
 
 def test_a_checkpoint_of_another_drafter_or_verifier_is_refused(tmp_path):
