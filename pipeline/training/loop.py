@@ -18,7 +18,7 @@ from pipeline.drafters.common import DrafterSpec
 from pipeline.evaluation.metrics import expected_tau
 from pipeline.tracking import log_metric_batch
 from pipeline.training import dist
-from pipeline.training.checkpoint import load_trainable_weights, save_checkpoint
+from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
 from pipeline.training.feed import plan_row, stream_micro_batches
 from pipeline.training.order import GlobalOrder
 from pipeline.training.resume import (
@@ -207,6 +207,13 @@ class MetricsSink:
         if self.client is not None:
             self.client.set_tag(self.run_id, key, value)
 
+    def checkpoint(self, folder: Path, step: int) -> None:
+        """The drafter's spec, weights and train state of a checkpoint as the run's artifacts `checkpoints/step-N`
+        (the optimizer state stays in Ray's storage: it is only for resuming)."""
+        if self.client is not None:
+            for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):
+                self.client.log_artifact(self.run_id, str(folder / name), f"checkpoints/step-{step}")
+
 
 def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Tensor, tokens: torch.Tensor,
                   sequences: int, micro_batches: int, elapsed: float, lr: float) -> dict[str, float]:
@@ -223,7 +230,7 @@ def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Te
     return metrics
 
 
-def _report(metrics: dict, engine: Engine, state: dict, with_checkpoint: bool) -> None:
+def _report(metrics: dict, engine: Engine, state: dict, with_checkpoint: bool, sink: MetricsSink) -> None:
     """Every rank reports; with a checkpoint, every rank adds its own DeepSpeed files and rank 0 the drafter's
     spec, weights and train state. Ray Train gathers all ranks' files into one checkpoint folder."""
     import ray.train
@@ -236,6 +243,7 @@ def _report(metrics: dict, engine: Engine, state: dict, with_checkpoint: bool) -
         with engine.full_weights():
             if dist.is_rank_zero():
                 save_checkpoint(Path(tmp), engine.module, state)
+                sink.checkpoint(Path(tmp), state["step"])
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
@@ -328,7 +336,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
                  "deepspeed": engine.uses_deepspeed, "token_budget": order.token_budget,
                  "val_samples": training["val_samples"]}
-        _report({**metrics, "step": step}, engine, state, with_checkpoint)
+        _report({**metrics, "step": step}, engine, state, with_checkpoint, sink)
         loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
         sequences, window_start = 0, time.time()
     progress.close()

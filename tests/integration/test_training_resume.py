@@ -211,6 +211,10 @@ def test_the_final_checkpoint_is_the_best_validated_one(store, tiny_verifier_pat
     assert scores[state["step"]] == max(scores.values())
     assert run.data.metrics["train.best_val_proxy_tau"] == pytest.approx(max(scores.values()))
     assert run.data.metrics["train.best_step"] == state["step"]
+    logged = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    assert logged == {"checkpoints/step-2", "checkpoints/step-4", "checkpoints/step-6"}  # every checkpoint
+    assert {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, "checkpoints/step-4")} == {
+        "spec.json", "drafter.safetensors", "train_state.json"}
 
 
 @pytest.mark.slow
