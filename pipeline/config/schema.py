@@ -163,7 +163,10 @@ class EvaluationConfig:
     name: str = MISSING
     num_speculative_tokens: int = 4
     max_new_tokens: int = 64
-    # Compare the decoder's output tokens with verifier.generate (greedy) and fail when they differ.
+    # 0 = greedy verification; > 0 = exact rejection sampling at this temperature, seeded by `seed`.
+    temperature: float = 0.0
+    seed: int = 0
+    # At temperature 0: compare the decoder's output tokens with verifier.generate and fail when they differ.
     check_greedy_equivalence: bool = True
     # DSpark: send drafts while the product of their confidences stays >= this (0 = send all K). A decoding
     # choice, so it lives here and never changes which checkpoint is trained.

@@ -69,9 +69,13 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.drafter.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
     _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
+    _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
+    _require(cfg.training.max_tokens_per_micro_batch >= 0,
+             "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
+    _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
     _require(cfg.training.autocast_dtype in (None, "auto", "bfloat16", "float16"),
              "training.autocast_dtype: must be auto, bfloat16, float16 or null (fp32)")
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")

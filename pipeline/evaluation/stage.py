@@ -11,7 +11,7 @@ from pipeline.context import Context
 from pipeline.data.chat import prompt_ids, prompt_messages
 from pipeline.errors import PipelineError
 from pipeline.evaluation.metrics import expected_tau, per_request_tau
-from pipeline.evaluation.reference_decoder import GreedySpeculativeDecoder, verifier_greedy
+from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
 from pipeline.export.speculators_format import round_to_export_dtype
 from pipeline.generation.verifier import load_verifier
@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict]], eval_cfg) -> dict:
     """Run the decoder on every conversation; compare with verifier.generate when asked. Returns the report."""
-    decoder = GreedySpeculativeDecoder(verifier, drafter, eval_cfg.num_speculative_tokens)
+    decoder = SpeculativeDecoder(verifier, drafter, eval_cfg.num_speculative_tokens, eval_cfg.temperature,
+                                 eval_cfg.seed)
+    check_equivalence = eval_cfg.check_greedy_equivalence and eval_cfg.temperature == 0
     eos = tokenizer.eos_token_id
     per_request, mismatches, spec_seconds, plain_seconds, new_tokens = [], [], 0.0, 0.0, 0
     for index, messages in enumerate(conversations):
@@ -32,7 +34,7 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
         spec_seconds += time.perf_counter() - started
         per_request.append(counts)
         new_tokens += len(tokens)
-        if eval_cfg.check_greedy_equivalence:
+        if check_equivalence:
             started = time.perf_counter()
             reference = verifier_greedy(verifier, prompt, eval_cfg.max_new_tokens, eos)
             plain_seconds += time.perf_counter() - started
@@ -55,7 +57,8 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
         "drafts_per_step": total.proposed_tokens / max(total.steps, 1),
         "expected_tau_from_alpha": expected_tau(total.conditional_acceptance),
         "per_request": [{"tau": c.tau, "steps": c.steps, "accepted_tokens": c.accepted_tokens} for c in per_request],
-        "greedy_equivalence_checked": bool(eval_cfg.check_greedy_equivalence),
+        "temperature": eval_cfg.temperature,
+        "greedy_equivalence_checked": bool(check_equivalence),
         "greedy_mismatches": mismatches,
         "speculative_seconds": spec_seconds,
         "plain_seconds": plain_seconds,

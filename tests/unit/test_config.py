@@ -78,6 +78,8 @@ def test_wrong_type_is_refused_naming_the_field():
     ("training.autocast_dtype=fp8", "training.autocast_dtype"),
     ("training.val_samples=-1", "training.val_samples"),
     ("deepspeed.offload_params=true", "deepspeed.offload_params"),
+    ("training.max_tokens_per_micro_batch=-8", "training.max_tokens_per_micro_batch"),
+    ("evaluation.temperature=-1", "evaluation.temperature"),
 ])
 def test_semantic_validation_names_the_field(override, field):
     with pytest.raises(PipelineError, match=field.replace(".", r"\.")):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
-from pipeline.evaluation.reference_decoder import GreedySpeculativeDecoder, verifier_greedy
+from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.generation.verifier import load_verifier
 
 PROMPTS = [
@@ -55,7 +55,7 @@ def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algor
     # DSpark truncates with a threshold: blocks of varying length must stay lossless too
     drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 5, algorithm=algorithm)
     drafter.confidence_threshold = 0.3
-    decoder = GreedySpeculativeDecoder(verifier, drafter, num_drafts)
+    decoder = SpeculativeDecoder(verifier, drafter, num_drafts)
     for text in PROMPTS:
         prompt = prompt_tokens(tokenizer, text)
         tokens, counts = decoder.generate(prompt, 20, tokenizer.eos_token_id)
@@ -69,7 +69,7 @@ def test_oracle_drafts_are_all_accepted(tiny_verifier_path):
     prompt = prompt_tokens(tokenizer, PROMPTS[0])
     reference = verifier_greedy(verifier, prompt, 21, None)
     oracle = OracleDrafter(inner.spec, reference, len(prompt))
-    tokens, counts = GreedySpeculativeDecoder(verifier, oracle, 4).generate(prompt, 21, None)
+    tokens, counts = SpeculativeDecoder(verifier, oracle, 4).generate(prompt, 21, None)
     assert tokens == reference
     assert counts.steps == 4 and counts.tau == pytest.approx(5.0)  # 1 + 4 steps x (4 drafts + bonus) = 21
     assert counts.conditional_acceptance == [1.0, 1.0, 1.0, 1.0]
@@ -78,7 +78,7 @@ def test_oracle_drafts_are_all_accepted(tiny_verifier_path):
 @pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
 def test_lossless_on_smollm2_with_eos(smollm2_path, algorithm):
     verifier, tokenizer = load_verifier(smollm2_path)
-    decoder = GreedySpeculativeDecoder(verifier, drafter_for(smollm2_path, verifier, tokenizer, algorithm=algorithm), 4)
+    decoder = SpeculativeDecoder(verifier, drafter_for(smollm2_path, verifier, tokenizer, algorithm=algorithm), 4)
     for text in PROMPTS[:2]:
         prompt = prompt_tokens(tokenizer, text)
         tokens, _ = decoder.generate(prompt, 40, tokenizer.eos_token_id)
