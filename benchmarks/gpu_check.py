@@ -200,12 +200,12 @@ def check_deepspeed(stage: int, verifier_path: Path, samples: list[dict], steps:
 
 
 def check_decoding(name: str, model, verifier_path: Path, count: int = 4, new_tokens: int = 48) -> dict:
-    from pipeline.evaluation.reference_decoder import GreedySpeculativeDecoder, verifier_greedy
+    from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
     from pipeline.generation.verifier import load_verifier
 
     verifier, tokenizer = load_verifier(str(verifier_path), "float32")
     drafter = model.float().eval().to(verifier.device)
-    decoder = GreedySpeculativeDecoder(verifier, drafter, drafter.spec.num_speculative_tokens)
+    decoder = SpeculativeDecoder(verifier, drafter, drafter.spec.num_speculative_tokens)
     mismatches, taus, started = 0, [], time.time()
     for prompt in prompts(count, 40, tokenizer.vocab_size, seed=7):
         ours, counts = decoder.generate(prompt, new_tokens, tokenizer.eos_token_id)

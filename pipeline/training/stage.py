@@ -18,7 +18,7 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.training.loop import train_loop_per_worker
-from pipeline.training.resume import latest_complete_checkpoint, read_resume_point
+from pipeline.training.resume import check_same_data_order, latest_complete_checkpoint, read_resume_point
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "run_id": run_id,
     }
     resume_from = _resume_from(ctx)
-    if resume_from:
-        read_resume_point(resume_from, spec)  # refuse another drafter's checkpoint up front
+    if resume_from:  # refuse another drafter's checkpoint, or another data order, before starting workers
+        check_same_data_order(read_resume_point(resume_from, spec), loop_config["training"])
         log.info("train: resuming from %s", resume_from)
         loop_config["resume_from"] = str(resume_from)
     result = _fit(ctx, loop_config)
