@@ -206,3 +206,19 @@ def test_pruned_drafter_drafts_only_kept_tokens_and_counts_misses(algorithm):
     assert all(t in kept for t in model.draft(aux, ids, 4).tolist())
     loss, correct, total = model.training_loss(tiny_samples(), OPTIONS, torch.Generator().manual_seed(0))
     assert torch.isfinite(loss) and total.sum() > 0
+
+
+def test_eagle3_ttt_does_not_depend_on_the_rows_being_ordered_by_depth():
+    """The TTT forward runs step s on the leading rows only; a row order not sorted by depth must give the same
+    outputs (it then just runs more rows)."""
+    from pipeline.drafters.chains import inference_rows
+
+    model = tiny_drafter("eagle3", 4)
+    anchors, depths = inference_rows(12, 4)
+    shuffled = torch.cat([torch.arange(12), torch.tensor([14, 12, 13])])  # depth 3 before depths 1 and 2
+    aux = torch.randn(1, 12, 3 * HIDDEN, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(1, 15, dtype=torch.bool)
+    ordered = model(aux, ids, anchors[None], depths[None], valid)
+    unordered = model(aux, ids, anchors[shuffled][None], depths[shuffled][None], valid)
+    torch.testing.assert_close(unordered, ordered[:, shuffled], rtol=1e-5, atol=1e-6)

@@ -27,6 +27,12 @@ def parent_rows(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor
     return torch.where((depths > 0) & valid, parents, row_ids)
 
 
+def rows_needed(depths: torch.Tensor, valid: torch.Tensor, step: int) -> int:
+    """How many leading rows hold every valid row of depth <= step (all rows if none is valid)."""
+    needed = ((depths <= step) & valid).nonzero()
+    return int(needed[:, 1].max()) + 1 if needed.numel() else depths.shape[1]
+
+
 class Eagle3Drafter(EagleFamilyDrafter):
     algorithm = "eagle3"
     sparsifies_depth = False
@@ -47,15 +53,21 @@ class Eagle3Drafter(EagleFamilyDrafter):
         """Training-time test over all rows: normed hidden [B, R, H].
 
         Step s computes correct outputs for every row of depth <= s (a row sees only rows of lower or equal depth),
-        so after step s the depth-(s+1) rows can take their parents' outputs as input.
+        so after step s the depth-(s+1) rows can take their parents' outputs as input. A row's output never changes
+        after its own step, so step s keeps only its depth-s rows and runs only the leading rows up to the last one
+        of depth <= s (rows come ordered by depth; deeper rows inside that span are masked out as keys).
         """
         parents = parent_rows(anchors, depths, valid)
-        chain_hidden = None
-        for _ in range(int(depths.max()) + 1):
-            out = self.run_layers(self._rows_input(aux_hidden, next_ids, anchors, depths, chain_hidden),
-                                  anchors, depths, valid)
-            chain_hidden = torch.gather(out, 1, parents[..., None].expand_as(out))
-        return self.norm(out)
+        outputs, chain_hidden = None, None
+        for step in range(int(depths.max()) + 1):
+            span = rows_needed(depths, valid, step)
+            rows = (anchors[:, :span], depths[:, :span], valid[:, :span])
+            chain = None if chain_hidden is None else chain_hidden[:, :span]
+            out = self.run_layers(self._rows_input(aux_hidden, next_ids, rows[0], rows[1], chain), *rows)
+            out = torch.nn.functional.pad(out, (0, 0, 0, anchors.shape[1] - span))  # [B, R, H]
+            outputs = out if outputs is None else torch.where((depths == step)[..., None], out, outputs)
+            chain_hidden = torch.gather(outputs, 1, parents[..., None].expand_as(outputs))
+        return self.norm(outputs)
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
