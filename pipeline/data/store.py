@@ -101,9 +101,10 @@ def _as_read(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return dequantize_fp8(values, scale) if values.dtype == FP8 else values
 
 
-def _read_hidden(handle: Any, layer_id: int) -> torch.Tensor:
-    values = handle.get_tensor(f"hidden.{layer_id}")
-    scale = handle.get_tensor(f"scale.{layer_id}") if values.dtype == FP8 else None
+def _read_hidden(handle: Any, layer_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Rows [start, end) of a layer's hidden states (all of them by default), as readers see them."""
+    values = handle.get_slice(f"hidden.{layer_id}")[start:end]
+    scale = handle.get_slice(f"scale.{layer_id}")[start:end] if values.dtype == FP8 else None
     return _as_read(values, scale)
 
 
@@ -209,12 +210,6 @@ def _check_layers(manifest: dict, layer_ids: list[int]) -> None:
         raise PipelineError(f"store: layers {missing} were not captured (store has {manifest['layer_ids']})")
 
 
-def _read_hidden_rows(handle: Any, layer_id: int, start: int, end: int) -> torch.Tensor:
-    values = handle.get_slice(f"hidden.{layer_id}")[start:end]
-    scale = handle.get_slice(f"scale.{layer_id}")[start:end] if values.dtype == FP8 else None
-    return _as_read(values, scale)
-
-
 def read_samples(store_dir: Path, locations: list[dict], aux_layer_ids: list[int], last_layer_id: int) -> list[dict]:
     """The samples at `locations` (from sample_locations), each read as row slices of its shard: the same dicts as
     iter_samples yields, without loading whole shards."""
@@ -226,8 +221,8 @@ def read_samples(store_dir: Path, locations: list[dict], aux_layer_ids: list[int
                 "sample_id": where["sample_id"],
                 "input_ids": handle.get_slice("input_ids")[start:end],
                 "loss_mask": handle.get_slice("loss_mask")[start:end].long(),
-                "aux": torch.cat([_read_hidden_rows(handle, i, start, end) for i in aux_layer_ids], dim=-1),
-                "last": _read_hidden_rows(handle, last_layer_id, start, end),
+                "aux": torch.cat([_read_hidden(handle, i, start, end) for i in aux_layer_ids], dim=-1),
+                "last": _read_hidden(handle, last_layer_id, start, end),
             })
     return samples
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pipeline.data.store import read_samples, sample_locations, verify_store
+from pipeline.data.store import load_manifest, read_samples, sample_locations
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
 from pipeline.evaluation.metrics import expected_tau
@@ -22,7 +22,7 @@ from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, lo
 from pipeline.training.feed import plan_row, stream_micro_batches
 from pipeline.training.order import GlobalOrder
 from pipeline.training.resume import (
-    DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint, check_same_data_order,
+    DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint,
     convert_to_universal, micro_batch_for, needs_universal, read_resume_point,
 )
 from pipeline.training.validation import split_validation, validate, validation_share
@@ -168,7 +168,9 @@ class StoreData:
 
     def __init__(self, store_dir: Path, spec: DrafterSpec, last_layer_id: int, training: dict):
         self.store_dir, self.aux_layer_ids, self.last_layer_id = store_dir, list(spec.aux_layer_ids), last_layer_id
-        locations = sample_locations(store_dir, verify_store(store_dir))
+        # The driver verified every shard's hash before starting the workers: reading the store again here
+        # would cost each worker a full pass over it.
+        locations = sample_locations(store_dir, load_manifest(store_dir))
         self.train, held_out = split_validation(locations, training["val_samples"], training["seed"])
         self.held_out = self.read(held_out)  # a few samples, validated at every checkpoint: kept in memory
 
@@ -268,9 +270,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     accum, world = training["grad_accum_steps"], dist.world_size()
     model = build_drafter(spec).train()
     with _checkpoint_folder(config) as folder, tempfile.TemporaryDirectory() as scratch:
+        # The driver already refused a resume_from of another drafter or data order (check_same_data_order).
         point = read_resume_point(Path(folder) if folder else None, spec)
-        if point:
-            check_same_data_order(point, training)
         global_batch = point.global_batch if point else training["micro_batch_size"] * accum * world
         micro = micro_batch_for(global_batch, accum, world)
         zero_stage = int(ds["zero_stage"]) if ds["enabled"] else -1
