@@ -47,7 +47,9 @@ class EagleFamilyDrafter(DrafterBase):
         """(token embedding, fused verifier features) of each row's anchor position: [B, R, H] each."""
         index = anchors.clamp(0, aux_hidden.shape[1] - 1)
         features = torch.gather(aux_hidden, 1, index[..., None].expand(-1, -1, aux_hidden.shape[-1]))
-        tokens = torch.gather(next_ids, 1, index.clamp(max=next_ids.shape[1] - 1))
+        # Tokens are indexed by their own length: at inference `next_ids` runs past the features by the drafts
+        # made so far (row T-1+d must read draft d, not the last verified token that a feature clamp gives).
+        tokens = torch.gather(next_ids, 1, anchors.clamp(0, next_ids.shape[1] - 1))
         return self.embed_tokens(tokens), features
 
     def run_layers(self, x: torch.Tensor, anchors: torch.Tensor, depths: torch.Tensor,

@@ -88,6 +88,17 @@ def test_eagle3_draft_equals_its_training_forward_fed_its_own_drafts():
     assert torch.equal(model.lm_head(hidden[[8, 9, 10, 11]]).argmax(-1), drafts)
 
 
+def test_eagle3_chain_rows_read_the_drafted_tokens_past_the_verified_context():
+    """At inference the tokens run past the verifier's features by the drafts made so far: chain row (T-1, d) must
+    embed draft d (as vLLM feeds it), not the last verified token that clamping to the features would give."""
+    model = tiny_drafter("eagle3")
+    aux, next_ids = _context(9, 4)
+    tokens = torch.cat([next_ids, torch.tensor([[11, 12, 13]])], dim=1)
+    embedded, features = model.real_row_inputs(aux, tokens, torch.tensor([[7, 8, 9, 10, 11]]))
+    assert torch.equal(embedded[0], model.embed_tokens(tokens[0, [7, 8, 9, 10, 11]]))
+    assert torch.equal(features[0], aux[0, [7, 8, 8, 8, 8]])  # the chain reuses the last verified features
+
+
 @pytest.mark.parametrize("algorithm", BLOCK_FAMILY)
 def test_block_drafter_never_sees_the_future_or_another_block(algorithm):
     model = tiny_drafter(algorithm)
