@@ -36,8 +36,10 @@ class StagePaths:
         # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
         self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, gen.compression)
         self.train_key = content_key(self.store_key, cfg.drafter, cfg.training, cfg.deepspeed, cfg.seed)
-        # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report.
-        self.evaluation_key = content_key(self.train_key, cfg.evaluation, cfg.data)
+        # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
+        # gate's thresholds decide on a report without changing it, so they stay out of the key.
+        measured = {k: v for k, v in _plain(cfg.evaluation).items() if k != "gate"}
+        self.evaluation_key = content_key(self.train_key, measured, cfg.data)
 
     @property
     def prompts(self) -> Path:

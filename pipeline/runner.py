@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 JOB_STAGES = {
     "generate": ["prompts", "regenerate", "capture"],
     "train": ["train"],
-    "evaluate": ["evaluate", "export"],
+    "evaluate": ["evaluate", "export", "vllm_eval", "promote"],
 }
 
 
@@ -66,17 +67,25 @@ def _evaluate(ctx: Context, results: dict, run_id: str) -> Any:
     from pipeline.data import stage as prompts
     from pipeline.evaluation import stage
 
-    _, held_out = results.get("prompts") or prompts.run(ctx)
-    return stage.run(ctx, _final_checkpoint(ctx, results), held_out)
+    train, held_out = results.get("prompts") or prompts.run(ctx)
+    return stage.run(ctx, _final_checkpoint(ctx, results), held_out, set(train["sample_id"]))
 
 
-def _export(ctx: Context, results: dict, run_id: str) -> Any:
+def _report(ctx: Context, results: dict, required_by: str | None = None) -> dict | None:
     from pipeline.evaluation.stage import load_report
-    from pipeline.export import stage
 
     report = results.get("evaluate")
     if report is None and (ctx.paths.evaluation / "report.json").is_file():
         report = load_report(ctx.paths.evaluation)
+    if report is None and required_by:
+        raise PipelineError(f"{required_by}: no evaluation report at {ctx.paths.evaluation}; run the evaluate stage")
+    return report
+
+
+def _export(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.export import stage
+
+    report = _report(ctx, results)
     lineage = {
         "lineage.prompts_key": ctx.paths.prompts_key,
         "lineage.regenerated_key": ctx.paths.regenerated_key,
@@ -87,9 +96,39 @@ def _export(ctx: Context, results: dict, run_id: str) -> Any:
     return stage.run(ctx, _final_checkpoint(ctx, results), report, run_id, lineage)
 
 
+def _vllm_eval(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.evaluation import vllm_check
+    from pipeline.evaluation.stage import load_requests
+
+    report = _report(ctx, results, "vllm_eval")
+    export_dir = Path((results.get("export") or {}).get("path") or ctx.paths.export)
+    if not (export_dir / "config.json").is_file():
+        raise PipelineError(f"vllm_eval: no exported checkpoint at {export_dir}; run the export stage")
+    return vllm_check.run(ctx, export_dir, report, load_requests(ctx.paths.evaluation))
+
+
+def _promote(ctx: Context, results: dict, run_id: str) -> Any:
+    from pipeline.evaluation import gate, vllm_check
+
+    exported = results.get("export") or {}
+    if "version" not in exported:  # the gate only ever moves an alias to a version this job registered
+        reason = "no version registered in this job (the export stage did not run or tracking.register is false)"
+        log.warning("promote: skipped: %s", reason)
+        ctx.set_tags({"gate.decision": "skipped", "gate.reason": reason})
+        return {"promoted": False, "reason": reason}
+    report = _report(ctx, results, "promote")
+    decision = gate.promote(ctx.tracker, exported["registered_model"], exported["version"], report,
+                            results.get("vllm_eval") or vllm_check.load_result(ctx.paths.evaluation),
+                            ctx.cfg.evaluation.gate)
+    ctx.set_tags({"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason})
+    ctx.log_metrics({"gate.promoted": float(decision.promote)})
+    return {"promoted": decision.promote, "reason": decision.reason, "alias": ctx.cfg.evaluation.gate.alias,
+            "version": exported["version"]}
+
+
 STAGES: dict[str, Callable[[Context, dict, str], Any]] = {
-    "prompts": _prompts, "regenerate": _regenerate, "capture": _capture,
-    "train": _train, "evaluate": _evaluate, "export": _export,
+    "prompts": _prompts, "regenerate": _regenerate, "capture": _capture, "train": _train,
+    "evaluate": _evaluate, "export": _export, "vllm_eval": _vllm_eval, "promote": _promote,
 }
 
 

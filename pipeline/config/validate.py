@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from pipeline.config import schema as schema_module
 from pipeline.errors import PipelineError
 
-KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export")
+KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 KNOWN_SOURCES = ("humaneval", "jsonl", "parquet", "hub")
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("hf", "vllm")
@@ -70,6 +70,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
+    _validate_evaluation(cfg.evaluation)
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
@@ -90,3 +91,20 @@ def validate(cfg: DictConfig) -> None:
         _require(value in KNOWN_DTYPES, f"verifier.{key}: '{value}' is not one of {KNOWN_DTYPES}")
     for stage in cfg.stages:
         _require(stage in KNOWN_STAGES, f"stages: unknown stage '{stage}'; known: {KNOWN_STAGES}")
+
+
+def _validate_evaluation(evaluation: DictConfig) -> None:
+    _require(evaluation.batch_size >= 1, "evaluation.batch_size: must be >= 1")
+    _require(evaluation.prompts_per_set >= 1, "evaluation.prompts_per_set: must be >= 1")
+    _require(evaluation.profile_prompts >= 0, "evaluation.profile_prompts: must be >= 0 (0 = no profile)")
+    _require(len(evaluation.datasets) >= 1, "evaluation.datasets: name at least one eval set (held_out)")
+    for name in evaluation.datasets:
+        _require(name == "held_out" or name in evaluation.sets,
+                 f"evaluation.datasets: unknown eval set '{name}'; known: held_out, {sorted(evaluation.sets)}")
+        if name != "held_out":
+            from pipeline.evaluation.eval_sets import set_config
+
+            set_config(name, evaluation)  # unknown or mistyped fields fail here, before any stage runs
+    _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
+             "evaluation.vllm.enabled: must be auto, true or false")
+    _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")

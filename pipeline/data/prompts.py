@@ -80,7 +80,8 @@ def _load_raw(data_cfg: Any) -> datasets.Dataset:
         except Exception as error:  # datasets raises several types for unreadable files
             raise PipelineError(f"data.path: cannot read '{path}' as {source}: {error}") from error
     if source == "hub":
-        return datasets.load_dataset(str(data_cfg.path), split=data_cfg.split)
+        subset = data_cfg.get("subset")
+        return datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
     raise PipelineError(f"data.source: unknown source '{source}'")
 
 
@@ -102,7 +103,9 @@ def _to_messages(row: dict[str, Any], data_cfg: Any) -> list[dict[str, str]]:
     elif row.get("data") and isinstance(row["data"], list) and isinstance(row["data"][0], str):
         messages = _ultrachat_messages(row["data"])
     elif row.get(data_cfg.prompt_field):
-        messages = [{"role": "user", "content": row[data_cfg.prompt_field]}]
+        prompt = row[data_cfg.prompt_field]
+        # A list of turns (MT-Bench): the first one; later turns need the model's own earlier answers.
+        messages = [{"role": "user", "content": prompt[0] if isinstance(prompt, list) else prompt}]
     else:
         return []
     if data_cfg.system_prompt and messages[0]["role"] != "system":

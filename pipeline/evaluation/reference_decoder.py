@@ -2,17 +2,92 @@
 
 At temperature 0 its output must equal ``verifier.generate(do_sample=False)`` token for token; at T > 0 its
 tokens are distributed as the verifier's own samples (exact rejection sampling). Acceptance is counted with the
-metric spec's :class:`AcceptanceCounts`.
+metric spec's :class:`AcceptanceCounts`. Several prompts decode together: one batched verifier forward per step
+(the expensive part), the drafter per sequence.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from pipeline.evaluation.metrics import AcceptanceCounts
 from pipeline.evaluation.sampling import rejection_sample, verifier_probs
+
+
+@dataclass
+class StepTiming:
+    """Wall time spent drafting and verifying, for the speculation profile's cost model."""
+
+    draft_seconds: float = 0.0
+    draft_calls: int = 0
+    verify_seconds: float = 0.0  # decode steps only: the prompt's prefill is counted apart
+    verify_calls: int = 0
+    prefill_seconds: float = 0.0
+
+
+class BatchedVerifier:
+    """The verifier's KV cache for a batch of sequences that advance by different amounts each step.
+
+    Every step appends the same number of cache slots to every row (the longest row's input; shorter rows are
+    padded). Slots that hold padding or rejected drafts stay in the cache but are masked out of attention for
+    good, so no row's cache ever has to be cropped on its own; position ids count only a row's kept tokens.
+    """
+
+    def __init__(self, verifier: Any, aux_layer_ids: list[int], batch_size: int):
+        self.verifier, self.aux_layer_ids = verifier, aux_layer_ids
+        self.device = verifier.device
+        self.cache: Optional[Any] = None
+        self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)  # 1 = attended slot
+        self.kept_tokens = [0] * batch_size  # tokens each row has in the cache = its next position id
+        self.last_widths = [0] * batch_size
+
+    def forward(self, inputs: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Run each row's new tokens (a row may have none); returns per row its logits [n, V] and its aux-layer
+        features [n, A*H]. Every new slot counts as kept until `keep` says otherwise."""
+        width = max(len(row) for row in inputs)
+        ids = torch.zeros(len(inputs), width, dtype=torch.long)
+        valid = torch.zeros(len(inputs), width, dtype=torch.long)
+        positions = torch.zeros(len(inputs), width, dtype=torch.long)
+        for index, row in enumerate(inputs):
+            ids[index, :len(row)] = torch.tensor(row, dtype=torch.long)
+            valid[index, :len(row)] = 1
+            positions[index] = self.kept_tokens[index] + torch.arange(width).clamp(max=max(len(row) - 1, 0))
+        self.slot_mask = torch.cat([self.slot_mask, valid.to(self.device)], dim=1)
+        out = self.verifier(input_ids=ids.to(self.device), attention_mask=self.slot_mask,
+                            position_ids=positions.to(self.device), past_key_values=self.cache, use_cache=True,
+                            output_hidden_states=True)
+        self.cache = out.past_key_values
+        features = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1).float()  # [B, W, A*H]
+        for index, row in enumerate(inputs):
+            self.kept_tokens[index] += len(row)
+            self.last_widths[index] = len(row)
+        return ([out.logits[i, :len(row)] for i, row in enumerate(inputs)],
+                [features[i, :len(row)] for i, row in enumerate(inputs)])
+
+    def keep(self, row: int, kept: int) -> None:
+        """Keep only the first `kept` of `row`'s slots from the last forward (the rest were rejected drafts)."""
+        dropped = self.last_widths[row] - kept
+        if dropped > 0:
+            end = self.slot_mask.shape[1] - (max(self.last_widths) - self.last_widths[row])
+            self.slot_mask[row, end - dropped:end] = 0
+            self.kept_tokens[row] -= dropped
+
+
+@dataclass
+class _Sequence:
+    prompt: list[int]
+    counts: AcceptanceCounts
+    tokens: list[int] = field(default_factory=list)  # prompt + generated; the last one is not in the cache yet
+    features: Optional[torch.Tensor] = None  # aux features of every token in the cache, [len(tokens) - 1, A*H]
+    stopped: bool = False  # an end-of-sequence token was emitted (possibly inside the accepted drafts)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
 
 
 class SpeculativeDecoder:
@@ -24,12 +99,7 @@ class SpeculativeDecoder:
         self.aux_layer_ids = list(drafter.spec.aux_layer_ids)
         self.temperature = temperature
         self.generator = torch.Generator().manual_seed(seed)
-
-    def _verifier_step(self, input_ids: list[int], cache: Optional[Any]):
-        out = self.verifier(input_ids=torch.tensor([input_ids], device=self.verifier.device), past_key_values=cache,
-                            use_cache=True, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1).float()  # [N, A*H]
-        return out.logits[0], features, out.past_key_values
+        self.timing = StepTiming()
 
     def _first_token(self, logits: torch.Tensor) -> int:
         if self.temperature == 0:
@@ -46,36 +116,74 @@ class SpeculativeDecoder:
             accepted += 1
         return accepted, greedy[accepted]
 
+    def _timed_forward(self, batch: BatchedVerifier, inputs: list[list[int]], prefill: bool = False):
+        started = time.perf_counter()
+        result = batch.forward(inputs)
+        if prefill:
+            self.timing.prefill_seconds += time.perf_counter() - started
+        else:
+            self.timing.verify_seconds += time.perf_counter() - started
+            self.timing.verify_calls += 1
+        return result
+
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, eos_token_id: Optional[int]):
         """(new tokens, AcceptanceCounts) for one prompt."""
-        logits, features, cache = self._verifier_step(prompt, None)
-        tokens = list(prompt) + [self._first_token(logits[-1])]  # always one the verifier has not processed yet
-        counts = AcceptanceCounts(self.num_drafts)
-        while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_token_id:
-            remaining = max_new_tokens - (len(tokens) - len(prompt))
-            budget = min(self.num_drafts, remaining - 1)  # the bonus token always comes on top
-            drafts = self._draft(features, tokens, budget)
-            proposed = len(drafts)  # DSpark may send fewer than asked (confidence truncation)
-            logits, new_features, cache = self._verifier_step([tokens[-1]] + drafts, cache)
-            accepted, next_token = self._verify(logits, drafts)
-            # Counted even when no draft fits before max_new_tokens: vLLM still runs (and counts) that draft step.
-            counts.add_step(accepted, proposed)
-            # Keep the verifier's state for the last token and the accepted drafts; drop the rejected tail.
-            if proposed > accepted:
-                cache.crop(accepted - proposed)
-            features = torch.cat([features, new_features[: accepted + 1]])
-            tokens += drafts[:accepted] + [next_token]
-        generated = tokens[len(prompt):][:max_new_tokens]
+        return self.generate_batch([prompt], max_new_tokens, eos_token_id)[0]
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int,
+                       eos_token_id: Optional[int]) -> list[tuple[list[int], AcceptanceCounts]]:
+        """(new tokens, AcceptanceCounts) for each prompt, decoded together."""
+        sequences = [_Sequence(list(p), AcceptanceCounts(self.num_drafts)) for p in prompts]
+        batch = BatchedVerifier(self.verifier, self.aux_layer_ids, len(prompts))
+        logits, features = self._timed_forward(batch, [s.prompt for s in sequences], prefill=True)
+        for sequence, row_logits, row_features in zip(sequences, logits, features):
+            sequence.tokens = sequence.prompt + [self._first_token(row_logits[-1])]
+            sequence.features = row_features
+            sequence.stopped = sequence.tokens[-1] == eos_token_id
+
+        def active(sequence: _Sequence) -> bool:
+            return sequence.generated < max_new_tokens and not sequence.stopped
+
+        while any(active(s) for s in sequences):
+            # Always K drafts, as vLLM does, even where they run past max_new_tokens: vLLM counts the drafts it
+            # accepts there too, and `_finish` cuts the output back to max_new_tokens.
+            drafts = [self._draft(s, self.num_drafts) if active(s) else None for s in sequences]
+            logits, features = self._timed_forward(
+                batch, [[s.tokens[-1]] + d if d is not None else [] for s, d in zip(sequences, drafts)])
+            for row, (sequence, row_drafts) in enumerate(zip(sequences, drafts)):
+                if row_drafts is not None:
+                    self._advance(sequence, row_drafts, logits[row], features[row], batch, row, eos_token_id)
+        return [self._finish(s, max_new_tokens, eos_token_id) for s in sequences]
+
+    def _advance(self, sequence: _Sequence, drafts: list[int], logits: torch.Tensor, features: torch.Tensor,
+                 batch: BatchedVerifier, row: int, eos_token_id: Optional[int]) -> None:
+        accepted, next_token = self._verify(logits, drafts)
+        sequence.counts.add_step(accepted, len(drafts))  # DSpark may propose fewer than K (confidence truncation)
+        batch.keep(row, accepted + 1)  # the last token and the accepted drafts; the rejected tail is masked out
+        sequence.features = torch.cat([sequence.features, features[: accepted + 1]])
+        emitted = drafts[:accepted] + [next_token]
+        sequence.tokens += emitted
+        sequence.stopped = eos_token_id in emitted
+
+    @staticmethod
+    def _finish(sequence: _Sequence, max_new_tokens: int, eos_token_id: Optional[int]):
+        generated = sequence.tokens[len(sequence.prompt):][:max_new_tokens]
         if eos_token_id in generated:
             generated = generated[: generated.index(eos_token_id) + 1]
-        return generated, counts
+        return generated, sequence.counts
 
-    def _draft(self, features: torch.Tensor, tokens: list[int], proposed: int) -> list[int]:
-        if proposed == 0:
+    def _draft(self, sequence: _Sequence, proposed: int) -> list[int]:
+        if proposed <= 0:
             return []
-        next_ids = torch.tensor([tokens[1:]], device=features.device)  # [1, T]: token t + 1 paired with the features at t
-        return self.drafter.draft(features[None], next_ids, proposed).tolist()[:proposed]
+        started = time.perf_counter()
+        features = sequence.features
+        next_ids = torch.tensor([sequence.tokens[1:]], device=features.device)  # token t + 1 paired with features t
+        drafts = self.drafter.draft(features[None], next_ids, proposed).tolist()[:proposed]
+        self.timing.draft_seconds += time.perf_counter() - started
+        self.timing.draft_calls += 1
+        return drafts
 
 
 @torch.no_grad()

@@ -8,18 +8,44 @@ from pathlib import Path
 from pipeline.fsutil import atomic_write_text
 
 
+def _set_rows(report: dict) -> list[str]:
+    lines = ["| eval set | requests | pooled τ | per-request τ | α_1 | verify steps |", "|---|---|---|---|---|---|"]
+    for name, result in {**report.get("datasets", {}), "all": report}.items():
+        alpha = result["conditional_acceptance"][0] if result["conditional_acceptance"] else 0.0
+        lines.append(f"| {name} | {result['num_requests']} | {result['pooled_tau']:.3f} | "
+                     f"{result['per_request_tau']:.3f} | {alpha:.3f} | {result['verify_steps']} |")
+    return lines
+
+
+def _profile_rows(profile: dict) -> list[str]:
+    lines = [f"Speculation profile ({profile['num_prompts']} prompts one at a time; plain decoding "
+             f"{profile['plain_ms_per_token']:.1f} ms/token). Recommended K = **{profile['recommended_k']}**.", "",
+             "| K | τ | draft ms/step | verify ms/step | predicted speedup | measured speedup |",
+             "|---|---|---|---|---|---|"]
+    for row in profile["per_k"]:
+        lines.append(f"| {row['k']} | {row['tau']:.3f} | {row['draft_ms_per_step']:.1f} | "
+                     f"{row['verify_ms_per_step']:.1f} | {row['predicted_speedup']:.2f} | "
+                     f"{row['measured_speedup']:.2f} |")
+    return lines
+
+
 def markdown_table(report: dict) -> str:
     lines = [
         f"# {report.get('drafter', '?')} on {report.get('verifier', '?')} ({report.get('dataset', '?')})",
         "",
         f"pooled tau **{report['pooled_tau']:.3f}**, per-request tau {report['per_request_tau']:.3f}, "
-        f"K = {report['num_speculative_tokens']}, {report['num_requests']} requests, {report['verify_steps']} steps",
+        f"K = {report['num_speculative_tokens']}, temperature {report.get('temperature', 0.0)}, "
+        f"{report['num_requests']} requests, {report['verify_steps']} steps",
+        "",
+        *_set_rows(report),
         "",
         "| position | conditional acceptance | cumulative acceptance |",
         "|---|---|---|",
     ]
     for k, (cond, cum) in enumerate(zip(report["conditional_acceptance"], report["cumulative_acceptance"]), 1):
         lines.append(f"| {k} | {cond:.3f} | {cum:.3f} |")
+    if report.get("profile"):
+        lines += ["", *_profile_rows(report["profile"])]
     return "\n".join(lines) + "\n"
 
 
@@ -29,16 +55,34 @@ def plot_acceptance(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    profile = report.get("profile")
+    figure, axes = plt.subplots(1, 2 if profile else 1, figsize=(10 if profile else 5, 3.4), dpi=120,
+                                squeeze=False)
+    axis = axes[0][0]
     positions = list(range(1, len(report["conditional_acceptance"]) + 1))
-    figure, axis = plt.subplots(figsize=(5, 3.2), dpi=120)
-    axis.plot(positions, report["conditional_acceptance"], marker="o", label="conditional α_k")
-    axis.plot(positions, report["cumulative_acceptance"], marker="s", label="cumulative a_k")
+    for name, result in {"all (cumulative)": None, **report.get("datasets", {})}.items():
+        if result is None:
+            axis.plot(positions, report["cumulative_acceptance"], marker="s", color="black", label="all: cumulative a_k")
+            axis.plot(positions, report["conditional_acceptance"], marker="o", color="black", linestyle="--",
+                      label="all: conditional α_k")
+        elif len(report.get("datasets", {})) > 1:
+            axis.plot(positions, result["conditional_acceptance"], marker=".", label=f"{name}: α_k")
     axis.set_xlabel("draft position k")
     axis.set_ylabel("acceptance")
     axis.set_ylim(0, 1)
     axis.set_xticks(positions)
     axis.set_title(f"{report.get('drafter', '')}: pooled τ = {report['pooled_tau']:.2f}")
-    axis.legend()
+    axis.legend(fontsize=7)
+    if profile:
+        ks = [row["k"] for row in profile["per_k"]]
+        right = axes[0][1]
+        right.plot(ks, [row["predicted_speedup"] for row in profile["per_k"]], marker="o", label="predicted speedup")
+        right.plot(ks, [row["tau"] for row in profile["per_k"]], marker="s", label="τ")
+        right.axvline(profile["recommended_k"], color="grey", linestyle=":", label="recommended K")
+        right.set_xlabel("K (drafts per step)")
+        right.set_xticks(ks)
+        right.set_title("speculation profile")
+        right.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
@@ -46,6 +90,8 @@ def plot_acceptance(report: dict, path: Path) -> None:
 
 def write_report(report: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(folder / "report.json", json.dumps(report, indent=1))
     atomic_write_text(folder / "report.md", markdown_table(report))
-    plot_acceptance(report, folder / "acceptance.png")
+    partial = folder / ".acceptance.png.partial.png"
+    plot_acceptance(report, partial)
+    partial.replace(folder / "acceptance.png")
+    atomic_write_text(folder / "report.json", json.dumps(report, indent=1))  # last: its presence means complete

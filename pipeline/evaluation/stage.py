@@ -1,4 +1,8 @@
-"""Stage 5: acceptance of the trained drafter on held-out prompts with the greedy reference decoder."""
+"""Stage 5: acceptance of the trained drafter on the eval sets with the lossless reference decoder.
+
+Writes report.json / report.md / acceptance.png (per eval set, pooled, and the speculation profile) and
+requests.json (every prompt's token ids and the decoder's output) that the vLLM cross-check decodes again.
+"""
 
 from __future__ import annotations
 
@@ -8,45 +12,31 @@ import time
 from pathlib import Path
 
 from pipeline.context import Context
-from pipeline.data.chat import prompt_ids, prompt_messages
+from pipeline.data.chat import prompt_ids
 from pipeline.errors import PipelineError
-from pipeline.evaluation.metrics import expected_tau, per_request_tau
+from pipeline.evaluation.eval_sets import eval_sets
+from pipeline.evaluation.gate import evaluation_signature
+from pipeline.evaluation.metrics import AcceptanceCounts, expected_tau, per_request_tau
+from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
 from pipeline.export.speculators_format import round_to_export_dtype
+from pipeline.fsutil import atomic_write_text
 from pipeline.generation.verifier import load_verifier
 from pipeline.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
+REQUESTS_FILE = "requests.json"
 
-def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict]], eval_cfg) -> dict:
-    """Run the decoder on every conversation; compare with verifier.generate when asked. Returns the report."""
-    decoder = SpeculativeDecoder(verifier, drafter, eval_cfg.num_speculative_tokens, eval_cfg.temperature,
-                                 eval_cfg.seed)
-    check_equivalence = eval_cfg.check_greedy_equivalence and eval_cfg.temperature == 0
-    eos = tokenizer.eos_token_id
-    per_request, mismatches, spec_seconds, plain_seconds, new_tokens = [], [], 0.0, 0.0, 0
-    for index, messages in enumerate(conversations):
-        prompt = prompt_ids(tokenizer, messages)
-        started = time.perf_counter()
-        tokens, counts = decoder.generate(prompt, eval_cfg.max_new_tokens, eos)
-        spec_seconds += time.perf_counter() - started
-        per_request.append(counts)
-        new_tokens += len(tokens)
-        if check_equivalence:
-            started = time.perf_counter()
-            reference = verifier_greedy(verifier, prompt, eval_cfg.max_new_tokens, eos)
-            plain_seconds += time.perf_counter() - started
-            if tokens != reference:
-                mismatches.append(index)
+
+def summarize(per_request: list[AcceptanceCounts]) -> dict:
+    """The metric spec's figures over a list of requests."""
     total = per_request[0]
     for counts in per_request[1:]:
         total = total.merge(counts)
     return {
-        "num_requests": len(conversations),
-        "num_speculative_tokens": eval_cfg.num_speculative_tokens,
-        "new_tokens": new_tokens,
+        "num_requests": len(per_request),
         "verify_steps": total.steps,
         "pooled_tau": total.tau,
         "per_request_tau": per_request_tau(per_request),
@@ -56,45 +46,130 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
         "accepted_tokens": total.accepted_tokens,
         "drafts_per_step": total.proposed_tokens / max(total.steps, 1),
         "expected_tau_from_alpha": expected_tau(total.conditional_acceptance),
-        "per_request": [{"tau": c.tau, "steps": c.steps, "accepted_tokens": c.accepted_tokens} for c in per_request],
-        "temperature": eval_cfg.temperature,
+    }
+
+
+def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict]],
+                     eval_cfg) -> tuple[dict, list[AcceptanceCounts]]:
+    """Decode every conversation, `batch_size` at a time; compare with verifier.generate when asked.
+    Returns the set's summary and each request's counts."""
+    decoder = SpeculativeDecoder(verifier, drafter, eval_cfg.num_speculative_tokens, eval_cfg.temperature,
+                                 eval_cfg.seed)
+    check_equivalence = eval_cfg.check_greedy_equivalence and eval_cfg.temperature == 0
+    eos = tokenizer.eos_token_id
+    prompts = [prompt_ids(tokenizer, messages) for messages in conversations]
+    outputs, counts = [], []
+    started = time.perf_counter()
+    for start in range(0, len(prompts), eval_cfg.batch_size):
+        for tokens, request_counts in decoder.generate_batch(prompts[start:start + eval_cfg.batch_size],
+                                                             eval_cfg.max_new_tokens, eos):
+            outputs.append(tokens)
+            counts.append(request_counts)
+    spec_seconds = time.perf_counter() - started
+    mismatches, plain_seconds = [], 0.0
+    if check_equivalence:
+        started = time.perf_counter()
+        mismatches = [i for i, (prompt, tokens) in enumerate(zip(prompts, outputs))
+                      if tokens != verifier_greedy(verifier, prompt, eval_cfg.max_new_tokens, eos)]
+        plain_seconds = time.perf_counter() - started
+    return {
+        **summarize(counts),
+        "new_tokens": sum(len(tokens) for tokens in outputs),
+        "per_request": [{"tau": c.tau, "steps": c.steps, "accepted_tokens": c.accepted_tokens} for c in counts],
         "greedy_equivalence_checked": bool(check_equivalence),
         "greedy_mismatches": mismatches,
         "speculative_seconds": spec_seconds,
         "plain_seconds": plain_seconds,
-    }
+        "requests": [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs)],
+    }, counts
 
 
-def run(ctx: Context, checkpoint: Path, held_out) -> dict:
-    if len(held_out) == 0:
-        raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")
+def _load_drafter(ctx: Context, checkpoint: Path):
     drafter = round_to_export_dtype(load_checkpoint(checkpoint)[0])  # measure exactly what vLLM will load
     if hasattr(drafter, "confidence_threshold"):  # DSpark: the block truncation is a decoding setting
         drafter.confidence_threshold = float(ctx.cfg.evaluation.confidence_threshold)
-    verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
-    drafter.to(verifier.device)
-    conversations = [prompt_messages(row["messages"]) for row in held_out]
-    log.info("evaluate: %d held-out prompts, K=%d", len(conversations), ctx.cfg.evaluation.num_speculative_tokens)
-    report = evaluate_prompts(verifier, tokenizer, drafter, conversations, ctx.cfg.evaluation)
-    report.update({"drafter": drafter.spec.algorithm, "verifier": ctx.cfg.verifier.name,
-                   "confidence_threshold": getattr(drafter, "confidence_threshold", None),
-                   "checkpoint": str(checkpoint), "dataset": ctx.cfg.data.name})
-    folder = ctx.paths.evaluation
-    write_report(report, folder)
+    return drafter
+
+
+def _profile(verifier, tokenizer, drafter, conversations: list[list[dict]], eval_cfg) -> dict | None:
+    if eval_cfg.profile_prompts == 0:
+        return None
+    prompts = [prompt_ids(tokenizer, m) for m in conversations[: eval_cfg.profile_prompts]]
+    log.info("evaluate: speculation profile, K = 1..%d on %d prompts", eval_cfg.num_speculative_tokens, len(prompts))
+    return speculation_profile(
+        lambda k: SpeculativeDecoder(verifier, drafter, k, eval_cfg.temperature, eval_cfg.seed),
+        prompts, eval_cfg.max_new_tokens, tokenizer.eos_token_id, eval_cfg.num_speculative_tokens)
+
+
+def _metrics(report: dict) -> dict[str, float]:
     metrics = {"eval.pooled_tau": report["pooled_tau"], "eval.per_request_tau": report["per_request_tau"],
                "eval.greedy_mismatches": len(report["greedy_mismatches"]),
                "eval.drafts_per_step": report["drafts_per_step"]}
     metrics.update({f"eval.alpha_pos{i + 1}": a for i, a in enumerate(report["conditional_acceptance"])})
     metrics.update({f"eval.cum_acc_pos{i + 1}": a for i, a in enumerate(report["cumulative_acceptance"])})
-    ctx.log_metrics(metrics)
+    for name, result in report["datasets"].items():
+        metrics[f"eval.{name}.pooled_tau"] = result["pooled_tau"]
+        metrics[f"eval.{name}.per_request_tau"] = result["per_request_tau"]
+    if report.get("profile"):
+        metrics["eval.recommended_k"] = report["profile"]["recommended_k"]
+        for row in report["profile"]["per_k"]:
+            metrics[f"eval.profile.k{row['k']}.tau"] = row["tau"]
+            metrics[f"eval.profile.k{row['k']}.predicted_speedup"] = row["predicted_speedup"]
+    return metrics
+
+
+def _requests_of(per_set: dict[str, dict]) -> list[dict]:
+    return [{"set": name, **request} for name, result in per_set.items() for request in result.pop("requests")]
+
+
+def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
+    eval_cfg = ctx.cfg.evaluation
+    if len(held_out) == 0 and "held_out" in eval_cfg.datasets:
+        raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")
+    sets = eval_sets(eval_cfg, held_out, train_ids)
+    drafter = _load_drafter(ctx, checkpoint)
+    verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
+    drafter.to(verifier.device)
+    per_set, all_counts = {}, []
+    for name, conversations in sets.items():
+        log.info("evaluate: %s, %d prompts, K=%d, batch %d", name, len(conversations),
+                 eval_cfg.num_speculative_tokens, eval_cfg.batch_size)
+        per_set[name], counts = evaluate_prompts(verifier, tokenizer, drafter, conversations, eval_cfg)
+        all_counts += counts
+        log.info("evaluate: %s pooled tau %.3f", name, per_set[name]["pooled_tau"])
+    requests = _requests_of(per_set)
+    mismatches = [f"{name}[{i}]" for name, result in per_set.items() for i in result["greedy_mismatches"]]
+    report = {
+        **summarize(all_counts),
+        "num_speculative_tokens": eval_cfg.num_speculative_tokens,
+        "temperature": eval_cfg.temperature,
+        "max_new_tokens": eval_cfg.max_new_tokens,
+        "greedy_equivalence_checked": bool(eval_cfg.check_greedy_equivalence and eval_cfg.temperature == 0),
+        "greedy_mismatches": mismatches,
+        "datasets": per_set,
+        "profile": _profile(verifier, tokenizer, drafter, next(iter(sets.values())), eval_cfg),
+        "drafter": drafter.spec.algorithm, "verifier": ctx.cfg.verifier.name,
+        "confidence_threshold": getattr(drafter, "confidence_threshold", None),
+        "checkpoint": str(checkpoint), "dataset": ctx.cfg.data.name,
+    }
+    report["signature"] = evaluation_signature(report, requests)
+    folder = ctx.paths.evaluation
+    atomic_write_text(folder / REQUESTS_FILE, json.dumps(requests))
+    write_report(report, folder)
+    ctx.log_metrics(_metrics(report))
     ctx.log_artifact(folder, "eval")
-    log.info("evaluate: pooled tau %.3f, per-position acceptance %s", report["pooled_tau"],
-             [round(a, 3) for a in report["conditional_acceptance"]])
-    if report["greedy_mismatches"]:
+    log.info("evaluate: pooled tau %.3f, per-position acceptance %s%s", report["pooled_tau"],
+             [round(a, 3) for a in report["conditional_acceptance"]],
+             f", recommended K {report['profile']['recommended_k']}" if report["profile"] else "")
+    if mismatches:
         raise PipelineError(f"evaluation: the speculative decoder's output differs from verifier.generate on "
-                            f"held-out prompts {report['greedy_mismatches']} (report in {folder})")
+                            f"{mismatches} (report in {folder})")
     return report
 
 
 def load_report(folder: Path) -> dict:
     return json.loads((folder / "report.json").read_text())
+
+
+def load_requests(folder: Path) -> list[dict]:
+    return json.loads((folder / REQUESTS_FILE).read_text())

@@ -1,7 +1,7 @@
 """Run an exported speculator in vLLM and read its spec-decode counters.
 
     python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --k 4 --prompts prompts.json \
-        --out result.json [--baseline]
+        --out result.json [--baseline] [--temperature T --seed S]
 
 vLLM forks engine processes, so it runs as its own program (this module's ``main``) rather than inside a stage.
 The verifier is passed as ``model`` and the drafter through ``speculative_config``: vLLM refuses a local verifier
@@ -40,15 +40,18 @@ def spec_decode_counters(llm: Any) -> dict[str, Any]:
     return counters
 
 
-def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None) -> dict:
+def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None,
+             args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     # On the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves; its default (0.92)
     # fails on a shared 24 GiB machine.
-    llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype="float32",
-              max_model_len=2048, seed=0, gpu_memory_utilization=0.3, enforce_eager=True)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype=args.dtype,
+              max_model_len=args.max_model_len, seed=args.seed, gpu_memory_utilization=args.memory_fraction,
+              enforce_eager=True)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
+              for index in range(len(prompts))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     if speculative_config:
@@ -66,15 +69,23 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--baseline", action="store_true", help="also decode without speculation")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--memory-fraction", type=float, default=0.3)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     prompts = json.loads(Path(args.prompts).read_text())
     speculative = speculative_config(args.drafter, args.k)
-    result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative)}
+    result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args)}
     if args.baseline:
-        result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None)
-    Path(args.out).write_text(json.dumps(result))
+        result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None, args)
+    out = Path(args.out)
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(json.dumps(result))
+    partial.replace(out)  # a reader never sees half a result
 
 
 if __name__ == "__main__":

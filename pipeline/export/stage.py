@@ -37,6 +37,9 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     if report:
         tags["eval.pooled_tau"] = f"{report['pooled_tau']:.4f}"
         tags["eval.num_speculative_tokens"] = str(report["num_speculative_tokens"])
+        tags["eval.signature"] = report.get("signature", "")
+        if report.get("profile"):
+            tags["eval.recommended_k"] = str(report["profile"]["recommended_k"])
     name = registered_model_name(ctx.cfg)
     version = ctx.tracker.register(name, ARTIFACT_PATH, run_id, tags)
     log.info("export: registered %s version %s", name, version)

@@ -153,3 +153,20 @@ class Tracker:
         # register_model("runs:/...") refuses a plain artifact folder in MLflow 3; create_model_version does not.
         version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags)
         return str(version.version)
+
+    def alias_tags(self, name: str, alias: str) -> Optional[dict[str, str]]:
+        """The tags of the version `alias` points at (plus its number as `version`), or None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            version = self.client.get_model_version_by_alias(name, alias)
+        except MlflowException:  # no such model or alias
+            return None
+        return {**version.tags, "version": str(version.version)}
+
+    def set_version_tags(self, name: str, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, version, key, str(value))
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, version)

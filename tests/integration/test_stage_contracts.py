@@ -18,7 +18,9 @@ from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
 from tests.conftest import tiny_overrides, write_jsonl
 
-ALL_STAGES = ["prompts", "regenerate", "capture", "train", "evaluate", "export"]
+ALL_STAGES = ["prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote"]
+EXTRA_PROMPTS = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]} for i in range(10)] + [
+    {"prompt": "Name a colour."}, {"prompt": "Name a fruit."}]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,11 @@ def chain(tmp_path_factory, tiny_verifier_path, ray_local):
     root = tmp_path_factory.mktemp("contracts")
     prompts = write_jsonl(root / "prompts.jsonl", [
         {"messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]} for i in range(10)])
+    extra = write_jsonl(root / "extra.jsonl", EXTRA_PROMPTS)  # holds the training prompts too
     cfg = compose(tiny_overrides(root, tiny_verifier_path, prompts) + [
-        "training.max_steps=4", "training.checkpoint_every=2", "evaluation.max_new_tokens=10"])
+        "training.max_steps=4", "training.checkpoint_every=2", "evaluation.max_new_tokens=10",
+        "evaluation.datasets=[held_out,extra]", "evaluation.prompts_per_set=5", "evaluation.batch_size=3",
+        f"+evaluation.sets.extra={{source: jsonl, path: '{extra}'}}"])
     results = run_stages(cfg, "pipeline", ALL_STAGES)
     return cfg, results, StagePaths(cfg)
 
@@ -87,8 +92,39 @@ def test_evaluate_contract(chain):
     assert report["pooled_tau"] >= 1.0 and report["per_request_tau"] >= 1.0
     assert len(report["conditional_acceptance"]) == cfg.evaluation.num_speculative_tokens
     assert report["greedy_equivalence_checked"] and report["greedy_mismatches"] == []
-    for name in ("report.json", "report.md", "acceptance.png"):
+    for name in ("report.json", "report.md", "acceptance.png", "requests.json"):
         assert (paths.evaluation / name).is_file()
+    per_set = report["datasets"]
+    assert {name: r["num_requests"] for name, r in per_set.items()} == {"held_out": 2, "extra": 5}
+    assert report["num_requests"] == 7 and report["verify_steps"] == sum(r["verify_steps"] for r in per_set.values())
+    assert [row["k"] for row in report["profile"]["per_k"]] == [1, 2, 3]
+    assert 1 <= report["profile"]["recommended_k"] <= 3
+    metrics = _child_runs(cfg)["evaluate"].data.metrics
+    assert metrics["eval.extra.pooled_tau"] == pytest.approx(per_set["extra"]["pooled_tau"])
+    assert metrics["eval.recommended_k"] == report["profile"]["recommended_k"]
+
+
+def test_eval_sets_never_hand_back_a_training_prompt(chain):
+    from transformers import AutoTokenizer
+
+    from pipeline.data.chat import prompt_ids
+
+    cfg, results, paths = chain
+    tokenizer = AutoTokenizer.from_pretrained(cfg.verifier.path)
+    trained = {tuple(prompt_ids(tokenizer, row["messages"][:1])) for row in results["prompts"][0]}
+    requests = json.loads((paths.evaluation / "requests.json").read_text())
+    assert [r["set"] for r in requests] == ["held_out"] * 2 + ["extra"] * 5
+    assert not trained & {tuple(r["prompt_ids"]) for r in requests}
+
+
+def test_gate_refuses_what_vllm_did_not_check(chain):
+    cfg, results, _ = chain
+    assert results["vllm_eval"]["skipped"] == "evaluation.vllm.enabled is false"
+    assert results["promote"]["promoted"] is False and "no vLLM cross-check" in results["promote"]["reason"]
+    version = client(cfg).get_model_version(results["export"]["registered_model"], results["export"]["version"])
+    assert version.tags["gate.decision"] == "refused"
+    assert version.tags["eval.signature"] == results["evaluate"]["signature"]
+    assert not client(cfg).get_registered_model(results["export"]["registered_model"]).aliases
 
 
 def test_export_contract_and_registry_link(chain):

@@ -83,3 +83,35 @@ def test_lossless_on_smollm2_with_eos(smollm2_path, algorithm):
         prompt = prompt_tokens(tokenizer, text)
         tokens, _ = decoder.generate(prompt, 40, tokenizer.eos_token_id)
         assert tokens == verifier_greedy(verifier, prompt, 40, tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "dflash", "dspark"])
+def test_a_batch_of_prompts_decodes_as_each_prompt_alone(tiny_verifier_path, algorithm):
+    """Prompts of different lengths, accepting different numbers of drafts and stopping at different steps: the
+    batched decoder gives every prompt verifier.generate's own tokens and the acceptance it gets decoded alone."""
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 4, algorithm=algorithm)
+    drafter.confidence_threshold = 0.3
+    decoder = SpeculativeDecoder(verifier, drafter, 4)
+    prompts = [prompt_tokens(tokenizer, text) for text in PROMPTS]
+    eos = tokenizer.eos_token_id
+    batched = decoder.generate_batch(prompts, 24, eos)
+    for prompt, (tokens, counts) in zip(prompts, batched):
+        assert tokens == verifier_greedy(verifier, prompt, 24, eos)
+        alone_tokens, alone_counts = decoder.generate(prompt, 24, eos)
+        assert tokens == alone_tokens
+        assert (counts.steps, counts.accepted_at) == (alone_counts.steps, alone_counts.accepted_at)
+
+
+def test_a_batch_with_an_oracle_row_accepts_everything_there(tiny_verifier_path):
+    """One row accepts every draft while the other rejects: the masked-out rejected slots of one row must not
+    leak into the other's attention."""
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    inner = drafter_for(tiny_verifier_path, verifier, tokenizer)
+    prompt = prompt_tokens(tokenizer, PROMPTS[0])
+    reference = verifier_greedy(verifier, prompt, 21, None)
+    oracle = OracleDrafter(inner.spec, reference, len(prompt))
+    results = SpeculativeDecoder(verifier, oracle, 4).generate_batch([prompt, prompt_tokens(tokenizer, "Hi")], 21,
+                                                                     None)
+    assert results[0][0] == reference and results[0][1].tau == pytest.approx(5.0)
+    assert results[1][0] == verifier_greedy(verifier, prompt_tokens(tokenizer, "Hi"), 21, None)

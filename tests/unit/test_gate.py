@@ -1,0 +1,77 @@
+"""The promotion gate against a real MLflow registry (a SQLite store): it moves `champion` only to a version that
+beats the champion's tau on the same evaluation and that vLLM serves within the allowed tau gap."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.config import compose
+from pipeline.config.schema import GateConfig
+from pipeline.evaluation.gate import decide, evaluation_signature, promote
+from pipeline.tracking import Tracker
+
+GATE = OmegaConf.structured(GateConfig)
+REQUESTS = [{"prompt_ids": [1, 2, 3], "tokens": [4]}]
+
+
+def report(tau: float, k: int = 4) -> dict:
+    values = {"pooled_tau": tau, "num_speculative_tokens": k, "max_new_tokens": 64, "temperature": 0.0,
+              "verifier": "v"}
+    return {**values, "signature": evaluation_signature(values, REQUESTS)}
+
+
+def served(gap: float | None) -> dict:
+    return {"skipped": "vLLM is not installed"} if gap is None else {"tau": 1.5, "tau_gap": gap}
+
+
+@pytest.fixture
+def registry(tmp_path):
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    with tracker.parent_run("evaluate") as run_id:
+        def register(tau: float, gap: float | None, k: int = 4):
+            candidate = report(tau, k)
+            version = tracker.register("m", "speculator", run_id, {"eval.pooled_tau": str(tau),
+                                                                    "eval.signature": candidate["signature"]})
+            return version, promote(tracker, "m", version, candidate, served(gap), GATE)
+        yield tracker, register
+
+
+def champion(tracker) -> str | None:
+    tags = tracker.alias_tags("m", "champion")
+    return tags and tags["version"]
+
+
+def test_the_gate_promotes_only_better_checkpoints_that_vllm_serves_alike(registry):
+    tracker, register = registry
+    first, decision = register(1.50, 0.01)
+    assert decision.promote and champion(tracker) == first
+
+    worse, decision = register(1.40, 0.01)
+    assert not decision.promote and "does not beat" in decision.reason
+    assert champion(tracker) == first
+    assert tracker.client.get_model_version("m", worse).tags["gate.decision"] == "refused"
+
+    equal, decision = register(1.50, 0.0)
+    assert not decision.promote and champion(tracker) == first
+
+    _, decision = register(1.70, 0.05)  # better, but vLLM serves it 5% away from what we measured
+    assert not decision.promote and "gap" in decision.reason and champion(tracker) == first
+
+    _, decision = register(1.70, None)  # better, but nobody checked it in vLLM
+    assert not decision.promote and "vLLM is not installed" in decision.reason
+
+    _, decision = register(1.90, 0.0, k=3)  # better, on another K: not comparable
+    assert not decision.promote and "not comparable" in decision.reason
+
+    better, decision = register(1.60, 0.02)
+    assert decision.promote and champion(tracker) == better
+    assert tracker.client.get_model_version("m", better).tags["vllm.tau_gap"] == "0.0200"
+
+
+def test_gate_thresholds_are_settings():
+    gate = OmegaConf.merge(GATE, {"max_tau_gap": 0.10, "min_tau_gain": 0.05})
+    signature = report(1.5)["signature"]
+    holder = {"eval.signature": signature, "eval.pooled_tau": "1.5", "version": "1"}
+    assert decide(1.60, 0.08, signature, holder, gate).promote
+    assert not decide(1.54, 0.0, signature, holder, gate).promote  # gains less than min_tau_gain
