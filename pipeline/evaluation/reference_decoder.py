@@ -34,7 +34,8 @@ class BatchedVerifier:
 
     Every step appends the same number of cache slots to every row (the longest row's input; shorter rows are
     padded). Slots that hold padding or rejected drafts stay in the cache but are masked out of attention for
-    good, so no row's cache ever has to be cropped on its own; position ids count only a row's kept tokens.
+    good, so no row's cache ever has to be cropped on its own; position ids count only a row's kept tokens. A
+    batch of one crops its rejected tail, so the speculation profile times the cache a single request has.
     """
 
     def __init__(self, verifier: Any, aux_layer_ids: list[int], batch_size: int):
@@ -71,10 +72,15 @@ class BatchedVerifier:
     def keep(self, row: int, kept: int) -> None:
         """Keep only the first `kept` of `row`'s slots from the last forward (the rest were rejected drafts)."""
         dropped = self.last_widths[row] - kept
-        if dropped > 0:
-            end = self.slot_mask.shape[1] - (max(self.last_widths) - self.last_widths[row])
-            self.slot_mask[row, end - dropped:end] = 0
-            self.kept_tokens[row] -= dropped
+        if dropped <= 0:
+            return
+        self.kept_tokens[row] -= dropped
+        if self.slot_mask.shape[0] == 1:  # alone, the rejected slots are the cache's tail: crop them instead
+            self.cache.crop(self.slot_mask.shape[1] - dropped)
+            self.slot_mask = self.slot_mask[:, :-dropped]
+            return
+        end = self.slot_mask.shape[1] - (max(self.last_widths) - self.last_widths[row])
+        self.slot_mask[row, end - dropped:end] = 0
 
 
 @dataclass

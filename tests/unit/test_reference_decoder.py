@@ -115,3 +115,42 @@ def test_a_batch_with_an_oracle_row_accepts_everything_there(tiny_verifier_path)
                                                                      None)
     assert results[0][0] == reference and results[0][1].tau == pytest.approx(5.0)
     assert results[1][0] == verifier_greedy(verifier, prompt_tokens(tokenizer, "Hi"), 21, None)
+
+
+def own_samples(verifier, tokenizer, aux_layer_ids, texts, new_tokens=24) -> list[dict]:
+    """Training samples as the store holds them, captured from the verifier's own greedy answers."""
+    samples = []
+    for text in texts:
+        prompt = prompt_tokens(tokenizer, text)
+        ids = torch.tensor([prompt + verifier_greedy(verifier, prompt, new_tokens, None)])
+        with torch.no_grad():
+            hidden = verifier(input_ids=ids, output_hidden_states=True).hidden_states
+        samples.append({"aux": torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1), "last": hidden[-1][0],
+                        "input_ids": ids[0],
+                        "loss_mask": torch.tensor([0] * len(prompt) + [1] * (ids.shape[1] - len(prompt)))})
+    return samples
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "dflash", "dspark"])
+def test_trained_drafters_stay_lossless(tiny_verifier_path, algorithm):
+    """Drafters trained on the verifier's own answers (their loss falls) decode losslessly on many prompts, batched."""
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 4, algorithm=algorithm).train()
+    drafter.confidence_threshold = 0.3
+    samples = own_samples(verifier, tokenizer, drafter.spec.aux_layer_ids, PROMPTS)
+    options = {"depth_keep_decay": 1.0, "max_anchors": None, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0}
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(25):
+        loss = drafter.training_loss(samples, options, generator)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.8 * losses[0], losses[::5]
+    drafter.eval()
+    prompts = [prompt_tokens(tokenizer, text) for text in PROMPTS + ["Tell me a joke.", "def add(a, b):"]]
+    results = SpeculativeDecoder(verifier, drafter, 4).generate_batch(prompts, 24, tokenizer.eos_token_id)
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == verifier_greedy(verifier, prompt, 24, tokenizer.eos_token_id)
