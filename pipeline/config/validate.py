@@ -71,6 +71,7 @@ def validate(cfg: DictConfig) -> None:
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
+    _validate_serving(cfg.serving)
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
@@ -108,3 +109,14 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
+
+
+def _validate_serving(serving: DictConfig) -> None:
+    _require(serving.accelerator in ("cpu", "gpu"), "serving.accelerator: must be cpu or gpu")
+    _require(1 <= serving.port <= 65535, "serving.port: must be a TCP port (1..65535)")
+    _require(serving.tensor_parallel_size >= 1, "serving.tensor_parallel_size: must be >= 1")
+    _require(serving.num_speculative_tokens is None or serving.num_speculative_tokens >= 1,
+             "serving.num_speculative_tokens: must be >= 1 (or null for the evaluation's recommended K)")
+    _require(serving.max_request_bytes >= 1024, "serving.max_request_bytes: must be >= 1024")
+    _require(serving.model is None or str(serving.model).startswith(("models:/", "runs:/")),
+             "serving.model: must be models:/<name>@<alias>, models:/<name>/<version> or runs:/<run id>/<path>")

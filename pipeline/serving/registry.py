@@ -1,0 +1,72 @@
+"""Which speculator to serve: a registry alias, a version or a run, resolved to a local checkpoint folder.
+
+    models:/<name>@<alias>      the version an alias points at (the default: <registered name>@champion)
+    models:/<name>/<version>    one version
+    runs:/<run id>/<path>       an exported folder logged by a run (not necessarily registered)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeline.errors import PipelineError
+
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+RUN_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-f]+)/(?P<path>.+)$")
+
+
+@dataclass
+class ResolvedSpeculator:
+    uri: str
+    local_dir: Path
+    served_name: str  # the registered model's name (or the run's algorithm) as the OpenAI "model"
+    algorithm: str
+    run_id: Optional[str] = None
+    version: Optional[str] = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def recommended_k(self) -> Optional[int]:
+        value = self.tags.get("eval.recommended_k") or self.tags.get("eval.num_speculative_tokens")
+        return int(value) if value else None
+
+
+def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
+    into.mkdir(parents=True, exist_ok=True)
+    local = Path(client.download_artifacts(run_id, path, str(into)))
+    if not (local / "config.json").is_file():
+        raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")
+    return local
+
+
+def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
+    """Fetch the speculator `uri` names into download_root (a folder per version or run)."""
+    from mlflow.exceptions import MlflowException
+
+    model, run = MODEL_URI.match(uri), RUN_URI.match(uri)
+    if not model and not run:
+        raise PipelineError(f"serving.model: '{uri}' is not models:/<name>@<alias>, models:/<name>/<version> or "
+                            "runs:/<run id>/<path>")
+    try:
+        if model:
+            name = model["name"]
+            version = (client.get_model_version_by_alias(name, model["alias"]) if model["alias"]
+                       else client.get_model_version(name, model["version"]))
+            run_id, path = version.run_id, version.source.rstrip("/").rsplit("/", 1)[-1]
+            local = _download(client, run_id, path, download_root / f"{name}-v{version.version}")
+            tags = dict(version.tags)
+            served_name, number = name, str(version.version)
+        else:
+            run_id, path = run["run_id"], run["path"]
+            local = _download(client, run_id, path, download_root / f"run-{run_id}")
+            tags, number = dict(client.get_run(run_id).data.tags), None
+            served_name = None
+    except MlflowException as error:
+        raise PipelineError(f"serving.model: cannot resolve '{uri}': {str(error).splitlines()[0]}") from error
+    algorithm = json.loads((local / "config.json").read_text())["speculators_model_type"]
+    return ResolvedSpeculator(uri=uri, local_dir=local, served_name=served_name or algorithm, algorithm=algorithm,
+                              run_id=run_id, version=number, tags=tags)
