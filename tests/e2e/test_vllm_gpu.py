@@ -42,3 +42,38 @@ def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
     served = json.loads(out.read_text())
     assert served["speculative"]["tokens"] == served["baseline"]["tokens"]
     assert served["speculative"]["counters"]["num_drafts"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_ray_serve_serves_a_registered_dspark_on_cuda_vllm(tmp_path, smollm2_path):
+    """jobs/serve.py with serving=a100 on one GPU: a DSpark version resolved from the registry answers over HTTP."""
+    import openai
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.config import compose
+    from pipeline.config.schema import DrafterConfig
+    from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
+    from pipeline.export.speculators_format import export_speculators
+    from pipeline.serving.process import free_port, serve_job
+    from pipeline.tracking import Tracker
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": "dspark", "num_speculative_tokens": 4})
+    spec = make_spec(cfg, AutoConfig.from_pretrained(smollm2_path), "SmolLM2", smollm2_path,
+                     default_mask_token_id(tokenizer))
+    torch.manual_seed(0)
+    export = export_speculators(build_drafter(spec), tmp_path / "dspark")
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    with tracker.parent_run("evaluate") as run_id:
+        tracker.log_artifact(export, "speculator")
+        version = tracker.register("gpu-dspark", "speculator", run_id, {"eval.recommended_k": "4"})
+    tracker.set_alias("gpu-dspark", "champion", version)
+    overrides = [f"paths.root={tmp_path}", "serving=a100", "serving.host=127.0.0.1", "serving.api_key_env=null",
+                 "serving.model=models:/gpu-dspark@champion", f"verifier.path={smollm2_path}", "verifier=hf",
+                 "serving.memory_fraction=0.3", f"serving.metrics_port={free_port()}", "serving.max_model_len=2048"]
+    with serve_job(overrides, free_port(), tmp_path / "serve.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        reply = client.completions.create(model="gpu-dspark", prompt="def add(a, b):", temperature=0, max_tokens=16)
+        assert reply.choices[0].text

@@ -152,3 +152,14 @@ def test_served_tau_sums_the_replicas_of_one_model():
     assert metrics["served.tau"] == pytest.approx(1.5)
     assert metrics["served.cum_acc_pos1"] == pytest.approx(0.4) and metrics["served.cum_acc_pos2"] == pytest.approx(0.1)
     assert served_metrics(spec_decode_counters("", "m")) == {}
+
+
+def test_the_serve_config_file_is_what_serve_deploy_accepts(tmp_path):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = compose([f"paths.root={tmp_path}"])
+    config = serve_config(cfg.serving, llm_config(cfg.serving, "m", "/verifier", None, 0))
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(yaml.safe_dump(config)))
+    assert schema.applications[0].import_path == IMPORT_PATH
+    assert schema.http_options.host == "127.0.0.1"
