@@ -145,14 +145,19 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     return results
 
 
-def run_job(cfg: DictConfig, job: str) -> int:
-    """Entry point for jobs/*.py: a clear one-line error and exit code 2 on bad input."""
-    stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
+def run_guarded(action: Callable[[], Any]) -> int:
+    """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input, and the local
+    Ray it started stopped either way."""
     try:
-        run_stages(cfg, job, stages)
+        action()
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
         shutdown_if_started_here()
     return 0
+
+
+def run_job(cfg: DictConfig, job: str) -> int:
+    stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
+    return run_guarded(lambda: run_stages(cfg, job, stages))

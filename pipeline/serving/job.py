@@ -98,18 +98,12 @@ def serve(ctx: Context) -> dict:
 
 
 def run_serve(cfg: DictConfig) -> int:
-    """Entry point for jobs/serve.py: a clear one-line error and exit code 2 on bad input."""
-    import sys
-
-    from pipeline.cluster import shutdown_if_started_here
+    """Entry point for jobs/serve.py."""
     from pipeline.config import validate
+    from pipeline.runner import run_guarded
 
-    try:
+    def validated_serve() -> None:
         validate(cfg)
         serve(Context.create(cfg))
-    except PipelineError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        shutdown_if_started_here()
-    return 0
+
+    return run_guarded(validated_serve)

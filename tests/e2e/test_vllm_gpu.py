@@ -13,14 +13,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.gpu
-@pytest.mark.vllm
-def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
+def random_dspark_export(tmp_path: Path, smollm2_path: str) -> Path:
     from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.config.schema import DrafterConfig
-    from pipeline.data.chat import prompt_ids
     from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
     from pipeline.export.speculators_format import export_speculators
 
@@ -29,7 +26,18 @@ def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
     spec = make_spec(cfg, AutoConfig.from_pretrained(smollm2_path), "SmolLM2", smollm2_path,
                      default_mask_token_id(tokenizer))
     torch.manual_seed(0)
-    export = export_speculators(build_drafter(spec), tmp_path / "dspark")
+    return export_speculators(build_drafter(spec), tmp_path / "dspark")
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
+    from transformers import AutoTokenizer
+
+    from pipeline.data.chat import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    export = random_dspark_export(tmp_path, smollm2_path)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([prompt_ids(tokenizer, [{"role": "user", "content": text}])
                                    for text in ("Write a Python function that adds two numbers.", "What is 2+2?")]))
@@ -49,22 +57,12 @@ def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
 def test_ray_serve_serves_a_registered_dspark_on_cuda_vllm(tmp_path, smollm2_path):
     """jobs/serve.py with serving=a100 on one GPU: a DSpark version resolved from the registry answers over HTTP."""
     import openai
-    from omegaconf import OmegaConf
-    from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.config import compose
-    from pipeline.config.schema import DrafterConfig
-    from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
-    from pipeline.export.speculators_format import export_speculators
     from pipeline.serving.process import free_port, serve_job
     from pipeline.tracking import Tracker
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": "dspark", "num_speculative_tokens": 4})
-    spec = make_spec(cfg, AutoConfig.from_pretrained(smollm2_path), "SmolLM2", smollm2_path,
-                     default_mask_token_id(tokenizer))
-    torch.manual_seed(0)
-    export = export_speculators(build_drafter(spec), tmp_path / "dspark")
+    export = random_dspark_export(tmp_path, smollm2_path)
     tracker = Tracker(compose([f"paths.root={tmp_path}"]))
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_artifact(export, "speculator")
