@@ -70,7 +70,7 @@ def test_smoke_pipeline_then_rerun_reuses_finished_work(tmp_path):
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
-    """The README's first command, on a temporary output root: about 22 minutes on 2 AVX2 CPU cores (fp32)."""
+    """The README's first command, on a temporary output root: about 25 minutes on 2 AVX2 CPU cores (fp32)."""
     root = tmp_path_factory.mktemp("default")
     run_pipeline(root, timeout=2700)
     return root
