@@ -61,11 +61,16 @@ class AcceptanceCounts:
         return [a / self.steps if self.steps else 0.0 for a in self.accepted_at]
 
 
-def pooled_tau(per_request: list[AcceptanceCounts]) -> float:
+def merged(per_request: list[AcceptanceCounts]) -> AcceptanceCounts:
+    """All requests' counts as one (the pooled figures)."""
     total = per_request[0]
     for counts in per_request[1:]:
         total = total.merge(counts)
-    return total.tau
+    return total
+
+
+def pooled_tau(per_request: list[AcceptanceCounts]) -> float:
+    return merged(per_request).tau
 
 
 def per_request_tau(per_request: list[AcceptanceCounts]) -> float:

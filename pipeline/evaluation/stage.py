@@ -16,7 +16,7 @@ from pipeline.data.chat import prompt_ids
 from pipeline.errors import PipelineError
 from pipeline.evaluation.eval_sets import eval_sets
 from pipeline.evaluation.gate import evaluation_signature
-from pipeline.evaluation.metrics import AcceptanceCounts, expected_tau, per_request_tau
+from pipeline.evaluation.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
@@ -32,9 +32,7 @@ REQUESTS_FILE = "requests.json"
 
 def summarize(per_request: list[AcceptanceCounts]) -> dict:
     """The metric spec's figures over a list of requests."""
-    total = per_request[0]
-    for counts in per_request[1:]:
-        total = total.merge(counts)
+    total = merged(per_request)
     return {
         "num_requests": len(per_request),
         "verify_steps": total.steps,
@@ -170,16 +168,17 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
         "greedy_equivalence_checked": bool(eval_cfg.check_greedy_equivalence and eval_cfg.temperature == 0),
         "greedy_mismatches": mismatches,
         "datasets": per_set,
-        "profile": _profile(verifier, tokenizer, drafter, next(iter(sets.values())), eval_cfg),
         "drafter": drafter.spec.algorithm, "verifier": ctx.cfg.verifier.name,
         "confidence_threshold": getattr(drafter, "confidence_threshold", None),
         "checkpoint": str(checkpoint), "dataset": ctx.cfg.data.name,
     }
     report["signature"] = evaluation_signature(report, requests)
     if mismatches:  # kept for inspection, under a name a rerun never takes for a finished report
-        write_report(report, folder / "failed")
+        write_report({**report, "profile": None}, folder / "failed")
         raise PipelineError(f"evaluation: the speculative decoder's output differs from verifier.generate on "
                             f"{mismatches} (report in {folder / 'failed'})")
+    # Profiled only once the decoder is known lossless: a failing run would throw the minutes away.
+    report["profile"] = _profile(verifier, tokenizer, drafter, next(iter(sets.values())), eval_cfg)
     atomic_write_text(folder / REQUESTS_FILE, json.dumps(requests))
     write_report(report, folder)  # report.json is written last: its presence marks a finished evaluation
     _publish(ctx, report, folder)

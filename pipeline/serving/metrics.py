@@ -41,11 +41,12 @@ def scrape(url: str, timeout_s: float = 10.0) -> str:
 
 def served_metrics(counters: dict) -> dict[str, float]:
     """MLflow metrics for the registry version's run; empty until a draft step was counted."""
-    drafts = counters["num_drafts"]
-    if not drafts:
+    from pipeline.evaluation.vllm_check import served_figures
+
+    if not counters["num_drafts"]:
         return {}
-    metrics = {"served.tau": 1.0 + counters["num_accepted_tokens"] / drafts, "served.num_drafts": float(drafts),
-               "served.num_accepted_tokens": float(counters["num_accepted_tokens"])}
-    metrics.update({f"served.cum_acc_pos{i + 1}": n / drafts
-                    for i, n in enumerate(counters["num_accepted_tokens_per_pos"])})
+    figures = served_figures(counters)  # the same reading the evaluation's vLLM cross-check makes
+    metrics = {"served.tau": figures["tau"], "served.num_drafts": float(figures["num_drafts"]),
+               "served.num_accepted_tokens": float(figures["num_accepted_tokens"])}
+    metrics.update({f"served.cum_acc_pos{i + 1}": a for i, a in enumerate(figures["cumulative_acceptance"])})
     return metrics
