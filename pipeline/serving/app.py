@@ -1,27 +1,32 @@
 """The Ray Serve application: vLLM (through Ray Serve LLM) with the speculator, behind an OpenAI-compatible API.
 
-`serve_config` turns the Hydra config and a resolved speculator into one Serve config (the file `serve deploy` and a
-KubeRay RayService read); `build_app` is that config's import path, so a local run, `serve deploy` and a
-RayService all build the same application from the same arguments.
+`serve_config` turns the Hydra config into one Serve config (the file `serve deploy` and a KubeRay RayService read);
+`build_app` is that config's import path, so a local run, `serve deploy` and a RayService all build the same
+application from the same arguments. The config names the speculator by its registry URI, not by a local folder:
+`build_app` resolves it where the app is built (on a cluster: against the MLflow server, into shared storage), so the
+file can be written before the speculator exists and a new champion needs no new file.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
+from pipeline.errors import PipelineError
 from pipeline.evaluation.vllm_runner import speculative_config
+from pipeline.serving.registry import ResolvedSpeculator, resolve
 
 IMPORT_PATH = "pipeline.serving.app:build_app"
 
 
-def llm_config(serving: Any, served_name: str, verifier_path: str, drafter_dir: str | None, k: int) -> dict:
-    """A `ray.serve.llm.LLMConfig` as a plain dict (it goes into a YAML file as is)."""
+def llm_config(serving: Any, served_name: str, verifier_path: str) -> dict:
+    """A `ray.serve.llm.LLMConfig` as a plain dict (it goes into a YAML file as is), without the speculator:
+    `build_app` adds its `speculative_config` once the speculator is resolved."""
     engine: dict[str, Any] = {"max_model_len": serving.max_model_len, "dtype": serving.dtype,
                               "tensor_parallel_size": serving.tensor_parallel_size,
                               "gpu_memory_utilization": serving.memory_fraction}
-    if drafter_dir is not None:
-        engine["speculative_config"] = speculative_config(drafter_dir, k)
     if serving.accelerator == "cpu":
         engine["enforce_eager"] = True
     engine.update(dict(serving.engine_kwargs))
@@ -43,18 +48,39 @@ def llm_config(serving: Any, served_name: str, verifier_path: str, drafter_dir: 
     return config
 
 
-def serve_config(serving: Any, llm: dict) -> dict:
-    """The Serve config file (`serve deploy`, RayService serveConfigV2) for one LLM app."""
+def speculator_source(uri: str, num_speculative_tokens: Optional[int], download_dir: str,
+                      tracking_uri: Optional[str]) -> dict:
+    """Where `build_app` finds the speculator: a registry URI, the MLflow store (None = MLFLOW_TRACKING_URI of
+    the node), a folder for the download (shared storage on a cluster) and K (None = the evaluated K)."""
+    return {"uri": uri, "num_speculative_tokens": num_speculative_tokens, "download_dir": download_dir,
+            "tracking_uri": tracking_uri}
+
+
+def serve_config(serving: Any, llm: dict, speculator: Optional[dict]) -> dict:
+    """The Serve config file (`serve deploy`, RayService serveConfigV2) for one LLM app; speculator None serves
+    the verifier alone."""
     return {
         "http_options": {"host": serving.host, "port": serving.port},
         "applications": [{
             "name": serving.app_name,
             "route_prefix": "/",
             "import_path": IMPORT_PATH,
-            "args": {"llm_config": llm, "api_key_env": serving.api_key_env,
+            "args": {"llm_config": llm, "speculator": speculator, "api_key_env": serving.api_key_env,
                      "max_request_bytes": serving.max_request_bytes},
         }],
     }
+
+
+def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
+    """The LLM config with the resolved speculator's `speculative_config`; downloads it on first use."""
+    import mlflow
+
+    resolved = resolve(mlflow.MlflowClient(source.get("tracking_uri")), source["uri"], Path(source["download_dir"]))
+    k = source.get("num_speculative_tokens") or resolved.recommended_k
+    if not k:
+        raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
+    engine = {**llm["engine_kwargs"], "speculative_config": speculative_config(str(resolved.local_dir), int(k))}
+    return {**llm, "engine_kwargs": engine}, resolved
 
 
 def build_app(args: dict) -> Any:
@@ -69,10 +95,15 @@ def build_app(args: dict) -> Any:
     from ray.serve.llm import LLMConfig, build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
-    from pipeline.errors import PipelineError
     from pipeline.serving.guard import RequestGuard
 
-    config = LLMConfig(**args["llm_config"])
+    llm = args["llm_config"]
+    if args.get("speculator"):
+        llm, resolved = with_speculator(llm, args["speculator"])
+        logging.getLogger(__name__).info("serve: %s -> %s (%s, K=%d)", resolved.uri, resolved.local_dir,
+                                         resolved.algorithm,
+                                         llm["engine_kwargs"]["speculative_config"]["num_speculative_tokens"])
+    config = LLMConfig(**llm)
     api_key = None
     if args.get("api_key_env"):
         api_key = os.environ.get(args["api_key_env"])

@@ -18,9 +18,9 @@ from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.export.stage import registered_model_name
 from pipeline.fsutil import atomic_write_text
-from pipeline.serving.app import build_app, llm_config, serve_config
+from pipeline.serving.app import build_app, llm_config, serve_config, speculator_source, with_speculator
 from pipeline.serving.metrics import scrape, served_metrics, spec_decode_counters
-from pipeline.serving.registry import ResolvedSpeculator, resolve
+from pipeline.serving.registry import ResolvedSpeculator, served_model_name
 
 log = logging.getLogger(__name__)
 
@@ -29,27 +29,40 @@ def model_uri(cfg: DictConfig) -> str:
     return cfg.serving.model or f"models:/{registered_model_name(cfg)}@{cfg.evaluation.gate.alias}"
 
 
-def speculative_tokens(cfg: DictConfig, resolved: ResolvedSpeculator) -> int:
-    k = cfg.serving.num_speculative_tokens or resolved.recommended_k
-    if k is None:
-        raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
-    return int(k)
+def serve_config_for(cfg: DictConfig, verifier_path: str, tracking_uri: str) -> dict:
+    """The Serve config of this Hydra config: what jobs/serve.py runs and what a KubeRay RayService's
+    serveConfigV2 holds (jobs/render_infra.py writes it there through this same function)."""
+    name = served_model_name(model_uri(cfg), registered_model_name(cfg))
+    llm = llm_config(cfg.serving, name, verifier_path)
+    speculator = None
+    if cfg.serving.speculative:
+        download_dir = Path(cfg.paths.root).expanduser().resolve() / "serve" / "speculators"
+        speculator = speculator_source(model_uri(cfg), cfg.serving.num_speculative_tokens, str(download_dir),
+                                       tracking_uri)
+    return serve_config(cfg.serving, llm, speculator)
 
 
 def prepare(ctx: Context) -> tuple[dict, Optional[ResolvedSpeculator]]:
-    """(the Serve config, the resolved speculator or None for the plain verifier); writes the config file."""
-    cfg = ctx.cfg
-    resolved, drafter_dir, k = None, None, 0
-    name = registered_model_name(cfg)
-    if cfg.serving.speculative:
-        resolved = resolve(ctx.tracker.client, model_uri(cfg), ctx.paths.root / "serve" / "speculators")
-        drafter_dir, k, name = str(resolved.local_dir), speculative_tokens(cfg, resolved), resolved.served_name
-        log.info("serve: %s -> %s (%s, K=%d)", resolved.uri, resolved.local_dir, resolved.algorithm, k)
-    config = serve_config(cfg.serving, llm_config(cfg.serving, name, ctx.verifier_path, drafter_dir, k))
-    path = Path(cfg.serving.serve_config_path)
+    """(the Serve config, the resolved speculator or None for the plain verifier); writes the config file.
+
+    The speculator is resolved here too (`build_app` then reuses the download), so that a wrong URI or a missing
+    K fails before Ray starts, and so that served tau can be logged to the version's run.
+    """
+    config = serve_config_for(ctx.cfg, ctx.verifier_path, ctx.tracker.uri)
+    app = config["applications"][0]
+    resolved = None
+    if app["args"]["speculator"]:
+        llm, resolved = with_speculator(app["args"]["llm_config"], app["args"]["speculator"])
+        log.info("serve: %s -> %s (%s, K=%d)", resolved.uri, resolved.local_dir, resolved.algorithm,
+                 llm["engine_kwargs"]["speculative_config"]["num_speculative_tokens"])
+    path = Path(ctx.cfg.serving.serve_config_path)
     atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
     log.info("serve: Serve config written to %s (serve deploy / RayService serveConfigV2)", path)
     return config, resolved
+
+
+def served_name(config: dict) -> str:
+    return config["applications"][0]["args"]["llm_config"]["model_loading_config"]["model_id"]
 
 
 def start(config: dict) -> str:
@@ -63,11 +76,12 @@ def start(config: dict) -> str:
     return f"http://{http['host']}:{http['port']}"
 
 
-def record_served_tau(client: Any, resolved: ResolvedSpeculator, metrics_url: str) -> dict[str, float]:
+def record_served_tau(client: Any, resolved: ResolvedSpeculator, model_name: str,
+                      metrics_url: str) -> dict[str, float]:
     """Log the served acceptance so far to the registry version's run; returns what was logged."""
     from pipeline.tracking import log_metric_batch
 
-    metrics = served_metrics(spec_decode_counters(scrape(metrics_url), resolved.served_name))
+    metrics = served_metrics(spec_decode_counters(scrape(metrics_url), model_name))
     if metrics and resolved.run_id:
         log_metric_batch(client, resolved.run_id, metrics, step=int(time.time()))
     return metrics
@@ -88,7 +102,7 @@ def serve(ctx: Context) -> dict:
         while True:
             time.sleep(ctx.cfg.serving.metrics_interval_s or 3600)
             if resolved and ctx.cfg.serving.metrics_interval_s:
-                served = record_served_tau(ctx.tracker.client, resolved, metrics_url)
+                served = record_served_tau(ctx.tracker.client, resolved, served_name(config), metrics_url)
                 if served:
                     log.info("serve: served tau %.3f over %d draft steps", served["served.tau"],
                              served["served.num_drafts"])

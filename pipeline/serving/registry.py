@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_folder
 
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 RUN_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-f]+)/(?P<path>.+)$")
@@ -23,7 +24,6 @@ RUN_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-f]+)/(?P<path>.+)$")
 class ResolvedSpeculator:
     uri: str
     local_dir: Path
-    served_name: str  # the registered model's name (or the run's algorithm) as the OpenAI "model"
     algorithm: str
     run_id: Optional[str] = None
     version: Optional[str] = None
@@ -35,9 +35,19 @@ class ResolvedSpeculator:
         return int(value) if value else None
 
 
+def served_model_name(uri: str, default: str) -> str:
+    """The OpenAI "model" a speculator is served as: the registered model's name, else `default`."""
+    model = MODEL_URI.match(uri)
+    return model["name"] if model else default
+
+
 def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
-    into.mkdir(parents=True, exist_ok=True)
-    local = Path(client.download_artifacts(run_id, path, str(into)))
+    """A registered version's files never change, so a finished download is reused (the job and the Serve app
+    both resolve); a download is renamed into place only once complete."""
+    local = into / path
+    if not (local / "config.json").is_file():
+        with atomic_folder(into) as staging:
+            client.download_artifacts(run_id, path, str(staging))
     if not (local / "config.json").is_file():
         raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")
     return local
@@ -58,15 +68,13 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
                        else client.get_model_version(name, model["version"]))
             run_id, path = version.run_id, version.source.rstrip("/").rsplit("/", 1)[-1]
             local = _download(client, run_id, path, download_root / f"{name}-v{version.version}")
-            tags = dict(version.tags)
-            served_name, number = name, str(version.version)
+            tags, number = dict(version.tags), str(version.version)
         else:
             run_id, path = run["run_id"], run["path"]
             local = _download(client, run_id, path, download_root / f"run-{run_id}")
             tags, number = dict(client.get_run(run_id).data.tags), None
-            served_name = None
     except MlflowException as error:
         raise PipelineError(f"serving.model: cannot resolve '{uri}': {str(error).splitlines()[0]}") from error
     algorithm = json.loads((local / "config.json").read_text())["speculators_model_type"]
-    return ResolvedSpeculator(uri=uri, local_dir=local, served_name=served_name or algorithm, algorithm=algorithm,
-                              run_id=run_id, version=number, tags=tags)
+    return ResolvedSpeculator(uri=uri, local_dir=local, algorithm=algorithm, run_id=run_id, version=number,
+                              tags=tags)

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.config import compose, validate
 from pipeline.errors import PipelineError
-from pipeline.serving.app import IMPORT_PATH, llm_config, serve_config
+from pipeline.serving.app import IMPORT_PATH, llm_config, speculator_source, with_speculator
 from pipeline.serving.guard import RequestGuard, request_problem
 from pipeline.serving.metrics import served_metrics, spec_decode_counters
-from pipeline.serving.registry import resolve
+from pipeline.serving.job import serve_config_for
+from pipeline.serving.registry import resolve, served_model_name
 from pipeline.tracking import Tracker
 
 
@@ -76,22 +79,45 @@ def test_guard_checks_the_key_then_the_body_and_hands_the_whole_body_on():
 def test_serve_config_comes_from_the_hydra_config(tmp_path):
     cfg = compose([f"paths.root={tmp_path}", "serving.port=8123", "serving.api_key_env=MY_KEY"])
     validate(cfg)
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
-    llm = llm_config(cfg.serving, "m", "/verifier", str(drafter), 3)
-    config = serve_config(cfg.serving, llm)
+    config = serve_config_for(cfg, "/verifier", "sqlite:///mlflow.db")
     app = config["applications"][0]
+    llm = app["args"]["llm_config"]
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
     assert app["import_path"] == IMPORT_PATH and app["args"]["api_key_env"] == "MY_KEY"
-    assert llm["model_loading_config"] == {"model_id": "m", "model_source": "/verifier"}
-    assert llm["engine_kwargs"]["speculative_config"] == {"model": str(drafter), "num_speculative_tokens": 3,
-                                                          "method": "eagle3", "parallel_drafting": True}
+    assert llm["model_loading_config"] == {"model_id": "SmolLM2-135M-Instruct-peagle", "model_source": "/verifier"}
+    assert app["args"]["speculator"] == {"uri": "models:/SmolLM2-135M-Instruct-peagle@champion",
+                                         "num_speculative_tokens": None,
+                                         "download_dir": str(tmp_path.resolve() / "serve" / "speculators"),
+                                         "tracking_uri": "sqlite:///mlflow.db"}
+    assert "speculative_config" not in llm["engine_kwargs"]  # added where the app is built, once resolved
     assert llm["accelerator_config"] == {"kind": "cpu"}
     assert llm["deployment_config"]["autoscaling_config"]["target_ongoing_requests"] == 8
-    gpu = llm_config(compose(["serving=a100", "serving.tensor_parallel_size=2"]).serving, "m", "/v", None, 0)
+    pinned = serve_config_for(compose(["serving.model=models:/other/7", "serving.num_speculative_tokens=2"]), "/v", None)
+    assert pinned["applications"][0]["args"]["llm_config"]["model_loading_config"]["model_id"] == "other"
+    assert pinned["applications"][0]["args"]["speculator"]["num_speculative_tokens"] == 2
+    plain = serve_config_for(compose(["serving.speculative=false"]), "/v", None)
+    assert plain["applications"][0]["args"]["speculator"] is None
+    gpu = llm_config(compose(["serving=a100", "serving.tensor_parallel_size=2"]).serving, "m", "/v")
     assert gpu["accelerator_type"] == "A100" and gpu["engine_kwargs"]["tensor_parallel_size"] == 2
-    assert "speculative_config" not in gpu["engine_kwargs"] and "accelerator_config" not in gpu
+    assert "accelerator_config" not in gpu
+
+
+def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    version = register_speculator(tracker, tmp_path, "peagle", {"eval.recommended_k": "3"})
+    llm = llm_config(compose([]).serving, "m", "/verifier")
+    source = speculator_source("models:/m@champion", None, str(tmp_path / "downloads"), tracker.uri)
+    with_spec, resolved = with_speculator(llm, source)
+    drafter = tmp_path / "downloads" / f"m-v{version}" / "speculator"
+    assert resolved.local_dir == drafter and resolved.version == version
+    assert with_spec["engine_kwargs"]["speculative_config"] == {
+        "model": str(drafter), "num_speculative_tokens": 3, "method": "eagle3", "parallel_drafting": True}
+    assert "speculative_config" not in llm["engine_kwargs"]  # the config itself is left as it was
+    pinned, _ = with_speculator(llm, {**source, "num_speculative_tokens": 2})
+    assert pinned["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 2
+    tracker.set_version_tags("m", version, {"eval.recommended_k": ""})
+    with pytest.raises(PipelineError, match="serving.num_speculative_tokens"):
+        with_speculator(llm, {**source, "download_dir": str(tmp_path / "d2")})
 
 
 def test_bad_serving_settings_are_refused_by_name(tmp_path):
@@ -101,25 +127,72 @@ def test_bad_serving_settings_are_refused_by_name(tmp_path):
         validate(compose([f"paths.root={tmp_path}", "serving.accelerator=tpu"]))
 
 
-def test_registry_uris_resolve_to_the_exported_folder(tmp_path):
-    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+def register_speculator(tracker, tmp_path, algorithm, tags):
+    """An exported folder logged by a run and registered as `m`, alias champion; returns the version."""
     export = tmp_path / "export"
-    export.mkdir()
-    (export / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+    export.mkdir(exist_ok=True)
+    (export / "config.json").write_text(json.dumps({"speculators_model_type": algorithm}))
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_artifact(export, "speculator")
-        version = tracker.register("m", "speculator", run_id, {"eval.recommended_k": "3"})
+        version = tracker.register("m", "speculator", run_id, tags)
     tracker.set_alias("m", "champion", version)
+    return version
+
+
+def test_registry_uris_resolve_to_the_exported_folder(tmp_path):
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    version = register_speculator(tracker, tmp_path, "dflash", {"eval.recommended_k": "3"})
+    run_id = tracker.client.get_model_version("m", version).run_id
     for uri in ("models:/m@champion", f"models:/m/{version}", f"runs:/{run_id}/speculator"):
         resolved = resolve(tracker.client, uri, tmp_path / "downloads")
         assert json.loads((resolved.local_dir / "config.json").read_text())["speculators_model_type"] == "dflash"
         assert resolved.algorithm == "dflash" and resolved.run_id == run_id
     assert resolve(tracker.client, "models:/m@champion", tmp_path / "d2").recommended_k == 3
-    assert resolve(tracker.client, "models:/m@champion", tmp_path / "d3").served_name == "m"
+    assert served_model_name("models:/m@champion", "x") == "m" and served_model_name("runs:/ab/s", "x") == "x"
     with pytest.raises(PipelineError, match="cannot resolve 'models:/m@nobody'"):
         resolve(tracker.client, "models:/m@nobody", tmp_path / "d4")
     with pytest.raises(PipelineError, match="is not models:/"):
         resolve(tracker.client, "m", tmp_path / "d5")
+
+
+def test_jobs_serve_writes_the_config_a_rayservice_gets_and_resolves_the_speculator_first(tmp_path):
+    from pipeline.context import Context
+    from pipeline.serving.job import prepare
+
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text("{}")
+    cfg = compose([f"paths.root={tmp_path}", "verifier=hf", f"verifier.path={verifier}", "verifier.name=v",
+                   "tracking.registered_model_name=m"])
+    ctx = Context.create(cfg)
+    version = register_speculator(ctx.tracker, tmp_path, "peagle", {"eval.recommended_k": "2"})
+    config, resolved = prepare(ctx)
+    assert config == serve_config_for(cfg, str(verifier), ctx.tracker.uri)  # what jobs/render_infra.py uses
+    assert yaml.safe_load(Path(cfg.serving.serve_config_path).read_text()) == config
+    assert resolved.version == version and (resolved.local_dir / "config.json").is_file()
+    with pytest.raises(PipelineError, match="cannot resolve"):
+        prepare(Context.create(compose([f"paths.root={tmp_path / 'empty'}", "verifier=hf", f"verifier.path={verifier}",
+                                        "verifier.name=v", "tracking.registered_model_name=m"])))
+
+
+def test_a_finished_download_is_reused_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch):
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    register_speculator(tracker, tmp_path, "peagle", {})
+    first = resolve(tracker.client, "models:/m@champion", tmp_path / "downloads")
+    calls = []
+    monkeypatch.setattr(tracker.client, "download_artifacts", lambda *args: calls.append(args))
+    assert resolve(tracker.client, "models:/m@champion", tmp_path / "downloads").local_dir == first.local_dir
+    assert calls == []  # the version's folder was complete: nothing downloaded again
+
+    def broken_download(run_id, path, dst):
+        (Path(dst) / path).mkdir(parents=True)
+        (Path(dst) / path / "weights.bin").write_bytes(b"half")
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(tracker.client, "download_artifacts", broken_download)
+    with pytest.raises(OSError):
+        resolve(tracker.client, "models:/m@champion", tmp_path / "other")
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").iterdir())
 
 
 RAY_METRICS = """\
@@ -159,7 +232,7 @@ def test_the_serve_config_file_is_what_serve_deploy_accepts(tmp_path):
     from ray.serve.schema import ServeDeploySchema
 
     cfg = compose([f"paths.root={tmp_path}"])
-    config = serve_config(cfg.serving, llm_config(cfg.serving, "m", "/verifier", None, 0))
+    config = serve_config_for(cfg, "/verifier", None)
     schema = ServeDeploySchema.model_validate(yaml.safe_load(yaml.safe_dump(config)))
     assert schema.applications[0].import_path == IMPORT_PATH
     assert schema.http_options.host == "127.0.0.1"
