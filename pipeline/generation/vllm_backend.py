@@ -17,9 +17,18 @@ import torch
 from safetensors import safe_open
 
 
+def _local_folder(verifier_path: str) -> Path:
+    """The verifier's files: its folder, or for a hub id the HF cache snapshot vLLM itself downloads into."""
+    if Path(verifier_path).is_dir():
+        return Path(verifier_path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(verifier_path, allow_patterns=["*.json", "*.safetensors"]))
+
+
 def _final_norm(verifier_path: str) -> tuple[torch.Tensor, float]:
     """(weight, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model."""
-    folder = Path(verifier_path)
+    folder = _local_folder(verifier_path)
     config = json.loads((folder / "config.json").read_text())
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
@@ -34,12 +43,16 @@ def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 class VllmVerifier:
-    def __init__(self, verifier_path: str, compute_dtype: str, max_model_len: int, gpu_memory_utilization: float):
+    def __init__(self, verifier_path: str, compute_dtype: str, max_model_len: int, gpu_memory_utilization: float,
+                 tensor_parallel_size: int = 1):
         from transformers import AutoTokenizer
 
         self.path, self.dtype = verifier_path, compute_dtype
         self.engine_options = {"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
                                "dtype": compute_dtype, "seed": 0, "enforce_eager": True}
+        if tensor_parallel_size > 1:
+            # The Ray Data actor holds tensor_parallel_size GPUs; vLLM's workers are its child processes.
+            self.engine_options.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
         self.tokenizer = AutoTokenizer.from_pretrained(verifier_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -81,7 +94,8 @@ class VllmVerifier:
                 kv_transfer_config=self._connector_config(),
             )
             self._norm = _final_norm(self.path)
-            self._num_layers = int(json.loads((Path(self.path) / "config.json").read_text())["num_hidden_layers"])
+            self._num_layers = int(json.loads((_local_folder(self.path) / "config.json").read_text())[
+                "num_hidden_layers"])
         if list(layer_ids) != self._capture_layers:
             raise ValueError(f"this engine captures layers {self._capture_layers}, not {layer_ids}")
         return self._capturer
