@@ -1,4 +1,5 @@
-"""`ray job submit -- python jobs/pipeline.py ...` against a Ray head started on 127.0.0.1 runs the chain."""
+"""`ray job submit -- python jobs/pipeline.py ...` against a Ray head started on 127.0.0.1 runs the chain, with the
+driver placed the way the KubeRay RayJobs place it (the `pipeline_driver` resource of the GPU pods)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.infra.kuberay import driver_resources
 from tests.conftest import run_job, tiny_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +34,7 @@ def ray_head(tmp_path):
     subprocess.run(
         [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=2",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
-         "--disable-usage-stats"],
+         f"--resources={driver_resources()}", "--disable-usage-stats"],
         check=True, env=env, capture_output=True, timeout=180)
     # `ray start` enables token auth and writes the token under ~/.ray; the client must be told to send it.
     client_env = {**env, "RAY_AUTH_MODE": "token"}
@@ -60,7 +62,8 @@ def test_pipeline_job_runs_under_ray_job_submit(ray_head, tmp_path, tiny_verifie
                           [{"prompt": f"Name {i} colours."} for i in range(10)])
     overrides = tiny_overrides(tmp_path / "out", tiny_verifier_path, prompts) + ["training.max_steps=2"]
     result = submit_when_agent_ready(
-        [ray_bin, "job", "submit", f"--address={address}", f"--working-dir={REPO}", "--",
+        [ray_bin, "job", "submit", f"--address={address}", f"--working-dir={REPO}",
+         f"--entrypoint-resources={driver_resources()}", "--",
          "python", "jobs/pipeline.py", *overrides], env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in result.stdout.lower()

@@ -1,0 +1,54 @@
+"""Render the KubeRay manifests and Ray cluster-launcher configs from the Hydra config.
+
+    python jobs/render_infra.py                          # infra/k8s/*.yaml, infra/ray/*.yaml (what is committed)
+    python jobs/render_infra.py --out my-infra cluster.kubernetes.image=registry.example.com/pipeline:1-gpu
+    python jobs/render_infra.py --experiment qwen3_8b_peagle serving.model=models:/Qwen3-8B-peagle/4
+    python jobs/render_infra.py --check                  # validate infra/k8s/*.yaml offline (the test extra)
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# This folder holds a script named pipeline.py, which would shadow the `pipeline` package.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.infra.render import CLUSTER_SHAPES, EXPERIMENTS, rendered_files, write  # noqa: E402
+from pipeline.infra.schemas import KUBERNETES_VERSION, file_problems  # noqa: E402
+from pipeline.runner import run_guarded  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "infra", help="folder for k8s/ and ray/ (default: infra)")
+    parser.add_argument("--experiment", action="append", choices=EXPERIMENTS,
+                        help="only this experiment's RayJob and RayService (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="render nothing; validate every manifest under <out>/k8s against the Kubernetes and "
+                             "KubeRay schemas (exit 2 naming each problem)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every rendered config")
+    args = parser.parse_args()
+    experiments = tuple(args.experiment or EXPERIMENTS)
+    shapes = () if args.experiment else CLUSTER_SHAPES
+
+    def check() -> None:
+        problems = [problem for path in sorted((args.out / "k8s").glob("*.yaml")) for problem in file_problems(path)]
+        if problems:
+            raise PipelineError("manifests: " + "; ".join(problems))
+        print(f"{args.out / 'k8s'}: every manifest is valid (Kubernetes {KUBERNETES_VERSION}, KubeRay ray.io/v1)")
+
+    def render() -> None:
+        files = rendered_files(args.overrides, experiments, shapes)
+        write(files, args.out)
+        for relative in files:
+            print(args.out / relative)
+
+    return run_guarded(check if args.check else render)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

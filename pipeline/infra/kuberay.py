@@ -1,0 +1,143 @@
+"""KubeRay custom resources (RayCluster, RayJob, RayService) built from the Hydra config.
+
+The cluster's shape (`cluster.num_workers` x `cluster.gpus_per_worker`), its image, volume and secret come from
+`cluster`; the RayJob's entrypoint is the pipeline job with the same experiment; the RayService's serveConfigV2 is
+the Serve config `jobs/serve.py` builds for the same config. `jobs/render_infra.py` writes them as YAML.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig
+
+API_VERSION = "ray.io/v1"
+APP_DIR = "/app"  # where the images install the repository (infra/docker/*.Dockerfile)
+SHARED_VOLUME = "shared"
+SHM_VOLUME = "dshm"
+# A custom resource only GPU pods have. The job driver asks for it (RayJob entrypointResources, `ray job submit
+# --entrypoint-resources`) without asking for a GPU, so Ray leaves CUDA_VISIBLE_DEVICES alone and the driver's
+# evaluate stage sees the pod's GPUs while the training workers (one per GPU) still get every GPU.
+DRIVER_RESOURCE = "pipeline_driver"
+
+
+def resource_name(cfg: DictConfig, kind: str) -> str:
+    """Kubernetes names: lowercase letters, digits and '-'."""
+    base = cfg.experiment if cfg.experiment not in ("default", None) else cfg.cluster.name
+    return f"{kind}-{base}".replace("_", "-").lower()
+
+
+def _metadata(cfg: DictConfig, name: str) -> dict:
+    return {"name": name, "namespace": cfg.cluster.kubernetes.namespace,
+            "labels": {"app.kubernetes.io/part-of": "speculators", "speculators/cluster": cfg.cluster.name}}
+
+
+def _env(cfg: DictConfig) -> list[dict]:
+    """Every pod: the MLflow server, a shared HF cache. Credentials come from the secret (envFrom), not from here."""
+    env = [{"name": "HF_HOME", "value": f"{cfg.cluster.kubernetes.shared_mount}/hf"},
+           {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
+    if cfg.cluster.mlflow_uri:
+        env.insert(0, {"name": "MLFLOW_TRACKING_URI", "value": str(cfg.cluster.mlflow_uri)})
+    return env
+
+
+def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict]) -> dict:
+    k8s = cfg.cluster.kubernetes
+    container = {
+        "name": name,
+        "image": k8s.image,
+        "imagePullPolicy": "IfNotPresent",
+        "workingDir": APP_DIR,
+        "env": _env(cfg),
+        "envFrom": [{"secretRef": {"name": k8s.secret_name, "optional": True}}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": k8s.shared_mount},
+                         {"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        # Let Ray finish its tasks (and Serve drain requests) before the pod goes.
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+    }
+    if ports:
+        container["ports"] = ports
+    return container
+
+
+def _pod_template(cfg: DictConfig, container: dict, gpu: bool) -> dict:
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": cfg.cluster.kubernetes.shared_volume_claim}},
+            # NCCL and vLLM's workers share tensors through /dev/shm; the container default (64 MiB) is too small.
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if gpu:
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {"metadata": {"labels": {"app.kubernetes.io/part-of": "speculators"}}, "spec": spec}
+
+
+def _head_group(cfg: DictConfig) -> dict:
+    k8s = cfg.cluster.kubernetes
+    ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
+             {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
+    container = _container(cfg, "ray-head", {"cpu": str(k8s.head_cpus), "memory": k8s.head_memory}, ports)
+    # The head schedules no GPU work (num-gpus 0) and takes no training or engine CPUs (num-cpus 0): the
+    # drivers, the Serve controller and the router run there.
+    return {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
+            "template": _pod_template(cfg, container, gpu=False)}
+
+
+def _worker_group(cfg: DictConfig) -> dict:
+    cluster = cfg.cluster
+    resources = {"cpu": str(cluster.cpus_per_worker), "memory": cluster.kubernetes.worker_memory,
+                 "nvidia.com/gpu": str(cluster.gpus_per_worker)}
+    container = _container(cfg, "ray-worker", resources, ports=[])
+    # Ray detects the GPUs and their type (accelerator_type:A100) itself; DRIVER_RESOURCE places the job driver
+    # on a GPU pod, where evaluation runs the verifier once training has released the GPUs.
+    start_params = {"resources": f'"{{\\"{DRIVER_RESOURCE}\\": 1}}"'}
+    return {"groupName": f"{str(cluster.accelerator_type or 'gpu').lower()}-x{cluster.gpus_per_worker}",
+            "replicas": int(cluster.num_workers), "minReplicas": int(cluster.num_workers),
+            "maxReplicas": int(cluster.num_workers), "rayStartParams": start_params,
+            "template": _pod_template(cfg, container, gpu=True)}
+
+
+def ray_cluster_spec(cfg: DictConfig) -> dict:
+    """The RayCluster spec of `cluster`: one head pod, `num_workers` GPU pods on the shared volume."""
+    return {"rayVersion": cfg.cluster.kubernetes.ray_version, "enableInTreeAutoscaling": False,
+            # Ray's token authentication, the token from a secret you create (never in the repository).
+            "authOptions": {"mode": "token", "secretName": cfg.cluster.kubernetes.ray_auth_secret},
+            "headGroupSpec": _head_group(cfg), "workerGroupSpecs": [_worker_group(cfg)]}
+
+
+def ray_cluster(cfg: DictConfig) -> dict:
+    """A long-lived cluster to `ray job submit` to (port-forward its dashboard, 8265)."""
+    return {"apiVersion": API_VERSION, "kind": "RayCluster",
+            "metadata": _metadata(cfg, f"speculators-{cfg.cluster.name}".replace("_", "-")),
+            "spec": ray_cluster_spec(cfg)}
+
+
+def pipeline_entrypoint(cfg: DictConfig) -> str:
+    """The job a RayJob runs: the whole pipeline for this experiment (what `ray job submit` runs by hand)."""
+    return f"python {APP_DIR}/jobs/pipeline.py experiment={cfg.experiment}"
+
+
+def driver_resources() -> str:
+    return json.dumps({DRIVER_RESOURCE: 1})
+
+
+def ray_job(cfg: DictConfig) -> dict:
+    """The pipeline on a cluster of its own that KubeRay deletes when the job ends (outputs stay on the volume
+    and in MLflow)."""
+    return {"apiVersion": API_VERSION, "kind": "RayJob", "metadata": _metadata(cfg, resource_name(cfg, "pipeline")),
+            "spec": {"entrypoint": pipeline_entrypoint(cfg), "entrypointResources": driver_resources(),
+                     "submissionMode": "K8sJobMode",
+                     "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": 3600, "backoffLimit": 0,
+                     "rayClusterSpec": ray_cluster_spec(cfg)}}
+
+
+def ray_service(cfg: DictConfig, serve_config: dict) -> dict:
+    """The champion speculator behind the OpenAI endpoint; `serve_config` is jobs/serve.py's for this config."""
+    return {"apiVersion": API_VERSION, "kind": "RayService", "metadata": _metadata(cfg, resource_name(cfg, "serve")),
+            "spec": {"serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
+                     "rayClusterConfig": ray_cluster_spec(cfg)}}

@@ -1,0 +1,88 @@
+"""Offline validation of the manifests: built-in kinds against Kubernetes' own schemas (`kubernetes-validate`,
+strict: an unknown field is an error), KubeRay kinds against the CRD schemas vendored in infra/schemas/kuberay/
+(closed the same way: the API server would silently drop an unknown field, which hides typos), and the pod
+templates inside them against Kubernetes' PodTemplate schema as well."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+KUBERNETES_VERSION = "1.33"
+KUBERAY_SCHEMAS = Path(__file__).resolve().parents[2] / "infra" / "schemas" / "kuberay"
+KUBERAY_KINDS = {"RayCluster": "raycluster", "RayJob": "rayjob", "RayService": "rayservice"}
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties: false wherever it lists properties and says nothing else."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        closed["additionalProperties"] = False
+    return closed
+
+
+@functools.lru_cache(maxsize=None)
+def _kuberay_validator(kind: str):
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads(gzip.decompress((KUBERAY_SCHEMAS / f"{KUBERAY_KINDS[kind]}.v1.json.gz").read_bytes()))
+    return Draft202012Validator(_closed(schema))
+
+
+def _pod_templates(spec: dict) -> Iterator[tuple[str, dict]]:
+    """(field path, pod template) of a RayCluster spec, or of the one inside a RayJob / RayService."""
+    prefix, cluster = next(((f"{key}.", spec[key]) for key in ("rayClusterSpec", "rayClusterConfig") if key in spec),
+                           ("", spec))
+    if "headGroupSpec" in cluster:
+        yield f"{prefix}headGroupSpec.template", cluster["headGroupSpec"]["template"]
+    for index, group in enumerate(cluster.get("workerGroupSpecs", [])):
+        yield f"{prefix}workerGroupSpecs[{index}].template", group["template"]
+
+
+def _kubernetes_problems(document: dict) -> list[str]:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        return [f"{'.'.join(str(p) for p in error.path) or '<root>'}: {error.message}"]
+    except kubernetes_validate.SchemaNotFoundError as error:
+        return [f"kind: {error.message}"]
+    return []
+
+
+def manifest_problems(document: dict) -> list[str]:
+    """Every schema violation of one parsed manifest ([] = valid), each naming its field."""
+    if not isinstance(document, dict) or "kind" not in document or "apiVersion" not in document:
+        return ["<root>: not a Kubernetes object (apiVersion and kind are required)"]
+    kind = document["kind"]
+    if not document["apiVersion"].startswith("ray.io/"):
+        return _kubernetes_problems(document)
+    if document["apiVersion"] != "ray.io/v1" or kind not in KUBERAY_KINDS:
+        return [f"kind: {document['apiVersion']} {kind} is not a KubeRay kind this project validates"]
+    problems = [f"{error.json_path.removeprefix('$.')}: {error.message}"
+                for error in _kuberay_validator(kind).iter_errors(document)]
+    for where, template in _pod_templates(document.get("spec", {})):
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"},
+                        "template": template}
+        problems += [f"spec.{where}: {problem}" for problem in _kubernetes_problems(pod_template)]
+    return problems
+
+
+def file_problems(path: Path) -> list[str]:
+    """Every problem of every document in one manifest file, each prefixed with the file and document."""
+    import yaml
+
+    problems = []
+    for index, document in enumerate(yaml.safe_load_all(path.read_text())):
+        if document is not None:
+            problems += [f"{path.name}[{index}] {problem}" for problem in manifest_problems(document)]
+    return problems

@@ -1,0 +1,163 @@
+"""The cluster files: rendered from Hydra and committed without drift, valid against the Kubernetes and KubeRay
+schemas offline, the RayService serving what jobs/serve.py serves, GPU counts that fit each cluster's shape, and
+images that install the way the README does."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import compose, validate
+from pipeline.errors import PipelineError
+from pipeline.generation.verifier import resolve_verifier_path
+from pipeline.infra.kuberay import DRIVER_RESOURCE, pipeline_entrypoint
+from pipeline.infra.render import CLUSTER_SHAPES, EXPERIMENTS, rendered_files
+from pipeline.infra.schemas import file_problems, manifest_problems
+from pipeline.serving.job import serve_config_for
+from pipeline.tracking import tracking_uri
+
+REPO = Path(__file__).resolve().parents[2]
+INFRA = REPO / "infra"
+MANIFESTS = sorted((INFRA / "k8s").glob("*.yaml"))
+# The seed scenarios: (experiment, drafter, GPUs, tensor parallel of the vLLM engines, eval set beside held_out).
+SCENARIOS = {"qwen3_8b_peagle": ("peagle", 1, 1, "gsm8k"),
+             "qwen3_30b_a3b_dflash": ("dflash", 2, 2, "humaneval"),
+             "gemma4_31b_dspark": ("dspark", 2, 2, "humaneval")}
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_the_committed_cluster_files_are_what_the_hydra_config_renders():
+    rendered = rendered_files([])
+    assert len(rendered) == 2 * len(CLUSTER_SHAPES) + 2 * len(EXPERIMENTS)
+    for relative, text in rendered.items():
+        committed = INFRA / relative
+        assert committed.is_file(), f"{relative} is not committed: run python jobs/render_infra.py"
+        assert committed.read_text() == text, f"{relative} differs from its Hydra config: run jobs/render_infra.py"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda path: path.name)
+def test_every_manifest_is_valid_against_the_kubernetes_and_kuberay_schemas(path):
+    assert file_problems(path) == []
+
+
+def test_the_validation_names_what_is_wrong():
+    job = load(INFRA / "k8s" / "rayjob-qwen3_8b_peagle.yaml")
+    cluster = ["spec", "rayClusterSpec"]
+
+    def broken(path: list, value) -> dict:
+        document = copy.deepcopy(job)
+        node = document
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        return document
+
+    workers = [*cluster, "workerGroupSpecs", 0]
+    assert manifest_problems(broken([*workers, "replicas"], "two")) == [
+        "spec.rayClusterSpec.workerGroupSpecs[0].replicas: 'two' is not of type 'integer'"]
+    assert "'entrypiont' was unexpected" in manifest_problems(broken(["spec", "entrypiont"], "x"))[0]
+    container = [*cluster, "headGroupSpec", "template", "spec", "containers", 0]
+    assert any("'imagee' was unexpected" in p for p in manifest_problems(broken([*container, "imagee"], "x")))
+    assert any("resources" in p for p in manifest_problems(broken([*container, "resources"], {"limits": []})))
+    deployment = next(d for d in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    deployment["spec"]["replicas"] = "one"
+    assert manifest_problems(deployment) and "replicas" in manifest_problems(deployment)[0]
+    assert manifest_problems({"apiVersion": "ray.io/v1", "kind": "RayThing"})
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_the_rayservice_serves_what_jobs_serve_builds_for_the_same_config(experiment):
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = compose([f"experiment={experiment}"])
+    service = load(INFRA / "k8s" / f"rayservice-{experiment}.yaml")
+    served = yaml.safe_load(service["spec"]["serveConfigV2"])
+    # jobs/serve.py's prepare(): serve_config_for(cfg, ctx.verifier_path, ctx.tracker.uri)
+    assert served == serve_config_for(cfg, resolve_verifier_path(cfg.verifier), tracking_uri(cfg))
+    ServeDeploySchema.model_validate(served)
+    args = served["applications"][0]["args"]
+    assert args["speculator"]["uri"] == f"models:/{cfg.verifier.name}-{cfg.drafter.name}@champion"
+    assert args["speculator"]["download_dir"].startswith(cfg.cluster.kubernetes.shared_mount)  # every pod sees it
+    assert args["speculator"]["tracking_uri"] == cfg.cluster.mlflow_uri
+    assert args["api_key_env"] == "SPECULATOR_API_KEY" and served["http_options"]["host"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_each_experiment_composes_with_gpu_counts_that_match_its_cluster(experiment):
+    drafter, gpus, tensor_parallel, eval_set = SCENARIOS[experiment]
+    cfg = compose([f"experiment={experiment}"])
+    validate(cfg)
+    cluster = cfg.cluster
+    assert cfg.drafter.name == drafter and cfg.verifier.path and cfg.verifier.compute_dtype == "bfloat16"
+    assert cluster.num_workers * cluster.gpus_per_worker == gpus == cfg.training.num_workers
+    assert cfg.generation.num_actors * cfg.generation.tensor_parallel_size <= gpus
+    assert cfg.generation.tensor_parallel_size == cfg.serving.tensor_parallel_size == tensor_parallel
+    assert cfg.serving.autoscaling.max_replicas * tensor_parallel <= gpus
+    assert cfg.evaluation.datasets == ["held_out", eval_set]
+    assert cfg.tracking.tracking_uri == cluster.mlflow_uri and cfg.paths.root.startswith(cluster.kubernetes.shared_mount)
+    job = load(INFRA / "k8s" / f"rayjob-{experiment}.yaml")["spec"]
+    workers = job["rayClusterSpec"]["workerGroupSpecs"][0]
+    limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert workers["replicas"] * int(limits["nvidia.com/gpu"]) == gpus
+    assert job["entrypoint"] == pipeline_entrypoint(cfg) and f"experiment={experiment}" in job["entrypoint"]
+    assert DRIVER_RESOURCE in job["entrypointResources"] and DRIVER_RESOURCE in workers["rayStartParams"]["resources"]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("training.num_workers=2", "training.num_workers"),
+    ("generation.tensor_parallel_size=2", "generation.tensor_parallel_size"),
+    ("serving.tensor_parallel_size=2", "serving.tensor_parallel_size"),
+    ("serving.autoscaling.max_replicas=3", "serving.autoscaling.max_replicas"),
+])
+def test_gpu_counts_that_do_not_fit_the_cluster_are_refused_by_name(override, field):
+    with pytest.raises(PipelineError, match=re.escape(field)):
+        validate(compose(["experiment=qwen3_8b_peagle", override]))
+
+
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES)
+def test_the_cluster_launcher_configs_are_what_ray_up_accepts(shape):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    launcher = load(INFRA / "ray" / f"launcher-{shape}.yaml")
+    validate_config(prepare_config(copy.deepcopy(launcher)))  # what `ray up` runs before it talks to the cloud
+    cfg = compose([f"cluster={shape}"])
+    worker = launcher["available_node_types"]["gpu_worker"]
+    assert worker["min_workers"] == worker["max_workers"] == cfg.cluster.num_workers
+    assert worker["node_config"]["machineType"].endswith(f"-{cfg.cluster.gpus_per_worker}g")
+    assert worker["resources"] == {DRIVER_RESOURCE: 1}
+    broken = copy.deepcopy(launcher)
+    broken["available_node_types"]["gpu_worker"]["min_workers"] = "one"
+    with pytest.raises(Exception, match="is not of type 'integer'"):
+        validate_config(prepare_config(broken))
+
+
+def test_the_images_install_the_project_the_way_the_readme_does():
+    readme = (REPO / "README.md").read_text()
+    assert "bash infra/install.sh cpu" in readme
+    for target in ("gpu", "cpu"):
+        dockerfile = (INFRA / "docker" / f"{target}.Dockerfile").read_text()
+        assert re.search(rf"^RUN bash infra/install.sh {target}$", dockerfile, re.M), target
+        assert re.search(r"^FROM rayproject/ray:2\.60\.0-py311-", dockerfile, re.M)  # the pinned Ray and Python
+    pyproject = (REPO / "pyproject.toml").read_text()
+    mlflow_pin = re.search(r'"mlflow==([\d.]+)"', pyproject)[1]
+    assert f'"mlflow=={mlflow_pin}"' in (INFRA / "docker" / "mlflow.Dockerfile").read_text()
+    deployment = next(d for d in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{mlflow_pin}")
+    assert compose([]).cluster.kubernetes.ray_version == re.search(r'"ray\[[\w,]+\]==([\d.]+)"', pyproject)[1]
+
+
+def test_no_secret_value_is_in_the_manifests():
+    for path in MANIFESTS:
+        for document in yaml.safe_load_all(path.read_text()):
+            assert document["kind"] != "Secret", path.name
+        text = path.read_text()
+        assert not re.search(r"(PASSWORD|SECRET_ACCESS_KEY|TOKEN|API_KEY)\s*\n\s*value:", text), path.name
