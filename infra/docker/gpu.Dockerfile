@@ -5,7 +5,7 @@
 FROM rayproject/ray:2.60.0-py311-cu128
 
 USER root
-RUN apt-get update && apt-get install -y --no-install-recommends nfs-common git && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY --chown=ray:users . /app
 USER ray

@@ -298,7 +298,7 @@ class ClusterConfig:
     num_workers: int = 0
     gpus_per_worker: int = 0
     cpus_per_worker: int = 0
-    accelerator_type: Optional[str] = None  # e.g. A100 (Ray's accelerator_type resource, the pods' node selector)
+    accelerator_type: Optional[str] = None  # e.g. A100: names the worker group; Ray detects the type itself
     # The MLflow server the jobs log to (tracking.tracking_uri defaults to it); null = a local store.
     mlflow_uri: Optional[str] = None
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)

@@ -119,32 +119,37 @@ def _validate_generation_parallelism(gen: DictConfig) -> None:
              "generation.tensor_parallel_size: > 1 needs generation.backend=vllm (and a vllm capture_backend)")
 
 
+def _engines_that_fit(cluster: DictConfig, gpus_per_engine: int) -> int:
+    """vLLM engines of this many GPUs the cluster holds: a tensor-parallel group never spans two nodes."""
+    return cluster.num_workers * (cluster.gpus_per_worker // gpus_per_engine)
+
+
 def _validate_cluster_shape(cfg: DictConfig) -> None:
     """On a GPU cluster every GPU count the config asks for must fit the cluster's shape: one training worker per
     GPU, vLLM engines whose tensor-parallel groups stay inside one node."""
     cluster = cfg.cluster
     if not cluster.use_gpu:
         return
-    per_node, total = cluster.gpus_per_worker, cluster.num_workers * cluster.gpus_per_worker
-    shape = f"cluster {cluster.name} has {cluster.num_workers} worker(s) x {per_node} GPU(s)"
+    total = cluster.num_workers * cluster.gpus_per_worker
+    shape = f"cluster {cluster.name} has {cluster.num_workers} worker(s) x {cluster.gpus_per_worker} GPU(s)"
     _require(total >= 1, f"cluster.num_workers / cluster.gpus_per_worker: cluster.use_gpu needs GPU workers ({shape})")
     _require(cfg.training.num_workers == total,
              f"training.num_workers: {cfg.training.num_workers} training workers, but {shape}: one worker per GPU")
     gen = cfg.generation
     if gen.use_gpu:
-        _require(gen.tensor_parallel_size <= per_node,
+        _require(gen.tensor_parallel_size <= cluster.gpus_per_worker,
                  f"generation.tensor_parallel_size: {gen.tensor_parallel_size} GPUs per engine, but {shape}")
-        _require(gen.num_actors * gen.tensor_parallel_size <= total,
-                 f"generation.num_actors: {gen.num_actors} verifier actors x {gen.tensor_parallel_size} GPUs, but "
-                 f"{shape}")
+        _require(gen.num_actors <= _engines_that_fit(cluster, gen.tensor_parallel_size),
+                 f"generation.num_actors: {gen.num_actors} verifier actors of {gen.tensor_parallel_size} GPU(s) each "
+                 f"do not fit: {shape}")
     serving = cfg.serving
     if serving.accelerator == "gpu":
-        _require(serving.tensor_parallel_size <= per_node,
+        _require(serving.tensor_parallel_size <= cluster.gpus_per_worker,
                  f"serving.tensor_parallel_size: {serving.tensor_parallel_size} GPUs per replica, but {shape}")
         replicas = int(serving.autoscaling.get("max_replicas", 1))
-        _require(replicas * serving.tensor_parallel_size <= total,
-                 f"serving.autoscaling.max_replicas: {replicas} replicas x {serving.tensor_parallel_size} GPUs, "
-                 f"but {shape}")
+        _require(replicas <= _engines_that_fit(cluster, serving.tensor_parallel_size),
+                 f"serving.autoscaling.max_replicas: {replicas} replicas of {serving.tensor_parallel_size} GPU(s) "
+                 f"each do not fit: {shape}")
 
 
 def _validate_serving(serving: DictConfig) -> None:

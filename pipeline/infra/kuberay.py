@@ -8,6 +8,7 @@ the Serve config `jobs/serve.py` builds for the same config. `jobs/render_infra.
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import yaml
@@ -16,7 +17,6 @@ from omegaconf import DictConfig
 API_VERSION = "ray.io/v1"
 APP_DIR = "/app"  # where the images install the repository (infra/docker/*.Dockerfile)
 SHARED_VOLUME = "shared"
-SHM_VOLUME = "dshm"
 # A custom resource only GPU pods have. The job driver asks for it (RayJob entrypointResources, `ray job submit
 # --entrypoint-resources`) without asking for a GPU, so Ray leaves CUDA_VISIBLE_DEVICES alone and the driver's
 # evaluate stage sees the pod's GPUs while the training workers (one per GPU) still get every GPU.
@@ -53,10 +53,8 @@ def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict]) -
         "env": _env(cfg),
         "envFrom": [{"secretRef": {"name": k8s.secret_name, "optional": True}}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
-        "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": k8s.shared_mount},
-                         {"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
-        # Let Ray finish its tasks (and Serve drain requests) before the pod goes.
-        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+        # KubeRay adds a memory-backed /dev/shm itself (NCCL and vLLM's workers share tensors through it).
+        "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": k8s.shared_mount}],
     }
     if ports:
         container["ports"] = ports
@@ -66,11 +64,8 @@ def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict]) -
 def _pod_template(cfg: DictConfig, container: dict, gpu: bool) -> dict:
     spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": [
-            {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": cfg.cluster.kubernetes.shared_volume_claim}},
-            # NCCL and vLLM's workers share tensors through /dev/shm; the container default (64 MiB) is too small.
-            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
-        ],
+        "volumes": [{"name": SHARED_VOLUME,
+                     "persistentVolumeClaim": {"claimName": cfg.cluster.kubernetes.shared_volume_claim}}],
     }
     if gpu:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -93,13 +88,13 @@ def _worker_group(cfg: DictConfig) -> dict:
     resources = {"cpu": str(cluster.cpus_per_worker), "memory": cluster.kubernetes.worker_memory,
                  "nvidia.com/gpu": str(cluster.gpus_per_worker)}
     container = _container(cfg, "ray-worker", resources, ports=[])
-    # Ray detects the GPUs and their type (accelerator_type:A100) itself; DRIVER_RESOURCE places the job driver
-    # on a GPU pod, where evaluation runs the verifier once training has released the GPUs.
-    start_params = {"resources": f'"{{\\"{DRIVER_RESOURCE}\\": 1}}"'}
+    # Ray detects the GPUs and their type (accelerator_type:A100) itself. DRIVER_RESOURCE places the job driver on
+    # a GPU pod, where evaluation runs the verifier once training has released the GPUs; the group's `resources`
+    # field (KubeRay writes `ray start --resources`) rather than a hand-quoted rayStartParams string.
     return {"groupName": f"{str(cluster.accelerator_type or 'gpu').lower()}-x{cluster.gpus_per_worker}",
             "replicas": int(cluster.num_workers), "minReplicas": int(cluster.num_workers),
-            "maxReplicas": int(cluster.num_workers), "rayStartParams": start_params,
-            "template": _pod_template(cfg, container, gpu=True)}
+            "maxReplicas": int(cluster.num_workers), "rayStartParams": {},
+            "resources": {DRIVER_RESOURCE: "1"}, "template": _pod_template(cfg, container, gpu=True)}
 
 
 def ray_cluster_spec(cfg: DictConfig) -> dict:
@@ -117,22 +112,29 @@ def ray_cluster(cfg: DictConfig) -> dict:
             "spec": ray_cluster_spec(cfg)}
 
 
-def pipeline_entrypoint(cfg: DictConfig) -> str:
-    """The job a RayJob runs: the whole pipeline for this experiment (what `ray job submit` runs by hand)."""
-    return f"python {APP_DIR}/jobs/pipeline.py experiment={cfg.experiment}"
+def job_overrides(overrides: list[str]) -> list[str]:
+    """The render-time overrides the job itself must see: all but those that only shape the manifests."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(("cluster.kubernetes.", "cluster.launcher."))]
+
+
+def pipeline_entrypoint(cfg: DictConfig, overrides: list[str] = ()) -> str:
+    """The job a RayJob runs: the whole pipeline for this experiment and the job's overrides (what `ray job
+    submit` runs by hand)."""
+    return " ".join([f"python {APP_DIR}/jobs/pipeline.py", f"experiment={cfg.experiment}",
+                     *(shlex.quote(o) for o in job_overrides(list(overrides)))])
 
 
 def driver_resources() -> str:
     return json.dumps({DRIVER_RESOURCE: 1})
 
 
-def ray_job(cfg: DictConfig) -> dict:
-    """The pipeline on a cluster of its own that KubeRay deletes when the job ends (outputs stay on the volume
-    and in MLflow)."""
+def ray_job(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    """The pipeline on a cluster of its own that KubeRay deletes five minutes after the job ends (time to read
+    its logs; the outputs stay on the volume and in MLflow)."""
     return {"apiVersion": API_VERSION, "kind": "RayJob", "metadata": _metadata(cfg, resource_name(cfg, "pipeline")),
-            "spec": {"entrypoint": pipeline_entrypoint(cfg), "entrypointResources": driver_resources(),
+            "spec": {"entrypoint": pipeline_entrypoint(cfg, overrides), "entrypointResources": driver_resources(),
                      "submissionMode": "K8sJobMode",
-                     "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": 3600, "backoffLimit": 0,
+                     "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": 300, "backoffLimit": 0,
                      "rayClusterSpec": ray_cluster_spec(cfg)}}
 
 

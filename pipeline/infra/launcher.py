@@ -30,9 +30,14 @@ def _node_config(machine_type: str, launcher: DictConfig) -> dict:
             "scheduling": [{"onHostMaintenance": "TERMINATE"}]}
 
 
+def _shared_mount(cfg: DictConfig) -> list[str]:
+    shared, export = cfg.cluster.kubernetes.shared_mount, cfg.cluster.launcher.nfs_export
+    return ["dpkg -s nfs-common >/dev/null 2>&1 || (sudo apt-get update -q && sudo apt-get install -y -q nfs-common)",
+            f"sudo mkdir -p {shared}", f"mountpoint -q {shared} || sudo mount -t nfs {export} {shared}"]
+
+
 def cluster_launcher(cfg: DictConfig) -> dict:
     cluster, launcher = cfg.cluster, cfg.cluster.launcher
-    shared = cluster.kubernetes.shared_mount
     worker_type = str(launcher.worker_machine_type).format(gpus=cluster.gpus_per_worker)
     return {
         "cluster_name": f"speculators-{cluster.name}".replace("_", "-"),
@@ -46,15 +51,19 @@ def cluster_launcher(cfg: DictConfig) -> dict:
             "head": {"resources": {"CPU": 0}, "node_config": _node_config(launcher.head_machine_type, launcher)},
             "gpu_worker": {"min_workers": int(cluster.num_workers), "max_workers": int(cluster.num_workers),
                            "resources": {DRIVER_RESOURCE: 1},
-                           "node_config": _node_config(worker_type, launcher)},
+                           # The Deep Learning VM image installs the NVIDIA driver only when asked, on first boot;
+                           # `docker run --gpus all` needs it.
+                           "node_config": {**_node_config(worker_type, launcher), "metadata": {"items": [
+                               {"key": "install-nvidia-driver", "value": "True"}]}},
+                           "initialization_commands": [*_shared_mount(cfg),
+                                                       "timeout 900 sh -c 'until nvidia-smi; do sleep 10; done'"]},
         },
         "head_node_type": "head",
         # Ray's token authentication: the token `ray get-auth-token --generate` wrote here goes to every node, and
         # the client sends the same one (RAY_AUTH_MODE=token ray job submit ...).
         "file_mounts": {"~/.ray/auth_token": "~/.ray/auth_token"},
         # Every node mounts the shared NFS export before Docker starts (stage outputs, checkpoints, HF cache).
-        "initialization_commands": [f"sudo mkdir -p {shared}",
-                                    f"mountpoint -q {shared} || sudo mount -t nfs {launcher.nfs_export} {shared}"],
+        "initialization_commands": _shared_mount(cfg),
         # The dashboard stays on the head's loopback: reach it with `ray dashboard <this file>` (an SSH tunnel).
         "head_start_ray_commands": [
             "ray stop",

@@ -52,7 +52,7 @@ def rendered_files(overrides: list[str], experiments=EXPERIMENTS, shapes=CLUSTER
         cfg = compose([f"experiment={experiment}", *overrides])
         validate(cfg)
         source = f"conf/experiment/{experiment}.yaml"
-        files[f"k8s/rayjob-{experiment}.yaml"] = _yaml(ray_job(cfg), source)
+        files[f"k8s/rayjob-{experiment}.yaml"] = _yaml(ray_job(cfg, overrides), source)
         files[f"k8s/rayservice-{experiment}.yaml"] = _yaml(ray_service(cfg, serve_config(cfg)), source)
     return files
 

@@ -60,7 +60,8 @@ def _kubernetes_problems(document: dict) -> list[str]:
 
 
 def manifest_problems(document: dict) -> list[str]:
-    """Every schema violation of one parsed manifest ([] = valid), each naming its field."""
+    """The schema violations of one parsed manifest ([] = valid), each naming its field: every one the KubeRay
+    schema finds, the first one Kubernetes' schema finds (kubernetes-validate stops there)."""
     if not isinstance(document, dict) or "kind" not in document or "apiVersion" not in document:
         return ["<root>: not a Kubernetes object (apiVersion and kind are required)"]
     kind = document["kind"]

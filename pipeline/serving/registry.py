@@ -46,8 +46,13 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
     both resolve); a download is renamed into place only once complete."""
     local = into / path
     if not (local / "config.json").is_file():
-        with atomic_folder(into) as staging:
-            client.download_artifacts(run_id, path, str(staging))
+        try:
+            with atomic_folder(into) as staging:
+                client.download_artifacts(run_id, path, str(staging))
+        except OSError:
+            # Another resolver (the job, the Serve app) renamed its finished download into place first.
+            if not (local / "config.json").is_file():
+                raise
     if not (local / "config.json").is_file():
         raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")
     return local

@@ -5,6 +5,7 @@ images that install the way the README does."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 
@@ -108,7 +109,22 @@ def test_each_experiment_composes_with_gpu_counts_that_match_its_cluster(experim
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert workers["replicas"] * int(limits["nvidia.com/gpu"]) == gpus
     assert job["entrypoint"] == pipeline_entrypoint(cfg) and f"experiment={experiment}" in job["entrypoint"]
-    assert DRIVER_RESOURCE in job["entrypointResources"] and DRIVER_RESOURCE in workers["rayStartParams"]["resources"]
+    assert json.loads(job["entrypointResources"]) == {DRIVER_RESOURCE: 1} and workers["resources"] == {DRIVER_RESOURCE: "1"}
+
+
+def test_render_time_overrides_reach_the_job_but_manifest_only_ones_do_not():
+    overrides = ["cluster.mlflow_uri=http://mlflow.example:5000", "training.max_steps=5",
+                 "cluster.kubernetes.image=registry.example/pipeline:1", "data.system_prompt=Be brief."]
+    files = rendered_files(overrides, experiments=("qwen3_8b_peagle",), shapes=())
+    job = yaml.safe_load(files["k8s/rayjob-qwen3_8b_peagle.yaml"])["spec"]
+    assert job["entrypoint"] == ("python /app/jobs/pipeline.py experiment=qwen3_8b_peagle "
+                                 "cluster.mlflow_uri=http://mlflow.example:5000 training.max_steps=5 "
+                                 "'data.system_prompt=Be brief.'")
+    head = job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["image"] == "registry.example/pipeline:1"
+    assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.example:5000"} in head["env"]
+    served = yaml.safe_load(yaml.safe_load(files["k8s/rayservice-qwen3_8b_peagle.yaml"])["spec"]["serveConfigV2"])
+    assert served["applications"][0]["args"]["speculator"]["tracking_uri"] == "http://mlflow.example:5000"
 
 
 @pytest.mark.parametrize("override,field", [
@@ -120,6 +136,17 @@ def test_each_experiment_composes_with_gpu_counts_that_match_its_cluster(experim
 def test_gpu_counts_that_do_not_fit_the_cluster_are_refused_by_name(override, field):
     with pytest.raises(PipelineError, match=re.escape(field)):
         validate(compose(["experiment=qwen3_8b_peagle", override]))
+
+
+def test_tensor_parallel_groups_must_fit_inside_one_node():
+    # 2 nodes x 3 GPUs: 6 GPUs, but only 2 engines of 2 GPUs fit (one per node), not 3.
+    shape = ["experiment=qwen3_30b_a3b_dflash", "cluster.num_workers=2", "cluster.gpus_per_worker=3",
+             "training.num_workers=6"]
+    validate(compose([*shape, "generation.num_actors=2"]))
+    with pytest.raises(PipelineError, match="generation.num_actors: 3 verifier actors of 2 GPU"):
+        validate(compose([*shape, "generation.num_actors=3"]))
+    with pytest.raises(PipelineError, match="serving.autoscaling.max_replicas: 3 replicas of 2 GPU"):
+        validate(compose([*shape, "serving.autoscaling.max_replicas=3"]))
 
 
 @pytest.mark.parametrize("shape", CLUSTER_SHAPES)
