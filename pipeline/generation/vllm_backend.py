@@ -26,9 +26,8 @@ def _local_folder(verifier_path: str) -> Path:
     return Path(snapshot_download(verifier_path, allow_patterns=["*.json", "*.safetensors"]))
 
 
-def _final_norm(verifier_path: str) -> tuple[torch.Tensor, float]:
+def _final_norm(folder: Path) -> tuple[torch.Tensor, float]:
     """(weight, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model."""
-    folder = _local_folder(verifier_path)
     config = json.loads((folder / "config.json").read_text())
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
@@ -93,9 +92,9 @@ class VllmVerifier:
                                         "eagle_aux_hidden_state_layer_ids": self._capture_layers}}},
                 kv_transfer_config=self._connector_config(),
             )
-            self._norm = _final_norm(self.path)
-            self._num_layers = int(json.loads((_local_folder(self.path) / "config.json").read_text())[
-                "num_hidden_layers"])
+            folder = _local_folder(self.path)
+            self._norm = _final_norm(folder)
+            self._num_layers = int(json.loads((folder / "config.json").read_text())["num_hidden_layers"])
         if list(layer_ids) != self._capture_layers:
             raise ValueError(f"this engine captures layers {self._capture_layers}, not {layer_ids}")
         return self._capturer

@@ -34,7 +34,7 @@ def _yaml(document: dict, source: str) -> str:
     return HEADER.format(source=source) + yaml.dump(document, Dumper=_BlockStrings, sort_keys=False, width=120)
 
 
-def serve_config(cfg: DictConfig) -> dict:
+def jobs_serve_config(cfg: DictConfig) -> dict:
     """What jobs/serve.py builds for this config (same function, same verifier and MLflow URI)."""
     return serve_config_for(cfg, resolve_verifier_path(cfg.verifier), tracking_uri(cfg))
 
@@ -53,7 +53,7 @@ def rendered_files(overrides: list[str], experiments=EXPERIMENTS, shapes=CLUSTER
         validate(cfg)
         source = f"conf/experiment/{experiment}.yaml"
         files[f"k8s/rayjob-{experiment}.yaml"] = _yaml(ray_job(cfg, overrides), source)
-        files[f"k8s/rayservice-{experiment}.yaml"] = _yaml(ray_service(cfg, serve_config(cfg)), source)
+        files[f"k8s/rayservice-{experiment}.yaml"] = _yaml(ray_service(cfg, jobs_serve_config(cfg)), source)
     return files
 
 

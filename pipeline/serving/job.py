@@ -51,10 +51,8 @@ def prepare(ctx: Context) -> tuple[dict, Optional[ResolvedSpeculator]]:
     config = serve_config_for(ctx.cfg, ctx.verifier_path, ctx.tracker.uri)
     app = config["applications"][0]
     resolved = None
-    if app["args"]["speculator"]:
-        llm, resolved = with_speculator(app["args"]["llm_config"], app["args"]["speculator"])
-        log.info("serve: %s -> %s (%s, K=%d)", resolved.uri, resolved.local_dir, resolved.algorithm,
-                 llm["engine_kwargs"]["speculative_config"]["num_speculative_tokens"])
+    if app["args"]["speculator"]:  # build_app logs what it resolved to
+        _, resolved = with_speculator(app["args"]["llm_config"], app["args"]["speculator"])
     path = Path(ctx.cfg.serving.serve_config_path)
     atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
     log.info("serve: Serve config written to %s (serve deploy / RayService serveConfigV2)", path)
