@@ -17,14 +17,19 @@ from pathlib import Path
 from typing import Any
 
 
+def speculative_method(algorithm: str) -> dict[str, Any]:
+    """The keys of vLLM's speculative_config that name how it runs a speculators_model_type: `method`, plus
+    `parallel_drafting` for P-EAGLE. Never raises; an unknown algorithm is passed through as the method."""
+    if algorithm == "peagle":  # vLLM runs P-EAGLE as an EAGLE-3 model drafting all positions in parallel
+        return {"method": "eagle3", "parallel_drafting": True}
+    return {"method": algorithm}
+
+
 def speculative_config(drafter_dir: str, num_speculative_tokens: int) -> dict[str, Any]:
     """vLLM's speculative_config for one of our exports, from its speculators_model_type."""
     algorithm = json.loads((Path(drafter_dir) / "config.json").read_text())["speculators_model_type"]
     config: dict[str, Any] = {"model": drafter_dir, "num_speculative_tokens": num_speculative_tokens}
-    if algorithm == "peagle":  # vLLM runs P-EAGLE as an EAGLE-3 model drafting all positions in parallel
-        config.update(method="eagle3", parallel_drafting=True)
-    else:
-        config["method"] = algorithm
+    config.update(speculative_method(algorithm))
     return config
 
 
