@@ -49,8 +49,13 @@ def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champ
 
 
 def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: dict, gate_cfg: Any) -> Decision:
-    """Decide for `version` of `name`, record the decision on the version, move the alias when it passes."""
+    """Decide for `version` of `name`, record the decision on the version, move the alias when it passes.
+    The version that already holds the alias (a rerun that reused its registration) keeps it and its tags."""
     champion = tracker.alias_tags(name, gate_cfg.alias)
+    if champion is not None and champion["version"] == str(version):
+        decision = Decision(True, f"version {version} already holds {gate_cfg.alias}")
+        log.info("promote: %s %s", name, decision.reason)
+        return decision
     tau_gap = vllm_result.get("tau_gap")
     decision = decide(report["pooled_tau"], tau_gap, report["signature"], champion, gate_cfg,
                       vllm_result.get("skipped", "the vllm_eval stage did not run"))

@@ -6,6 +6,7 @@ checkpoint has none. The LM head is written so the speculators library can load 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,24 @@ def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype 
         (staging / "config.json").write_text(json.dumps(speculators_config(spec, dtype), indent=2))
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     return target
+
+
+def export_digest(folder: Path, exclude: tuple[str, ...] = ("README.md",)) -> str:
+    """sha256 (hex) over every file of an export folder but `exclude` (paths relative to it): each file's relative
+    path, size and bytes, in path order, so the same weights and config always give the same digest. The model
+    card (README.md) is left out: it names the registered version and the run that made it, which the digest
+    must not depend on. Raises OSError when a file cannot be read."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    for path in files:
+        relative = path.relative_to(folder).as_posix()
+        if relative in exclude:
+            continue
+        digest.update(f"{relative}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tensor],

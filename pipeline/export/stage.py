@@ -5,44 +5,99 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 from pipeline.context import Context
-from pipeline.export.speculators_format import export_speculators
+from pipeline.export.model_card import CARD_FILE, model_card
+from pipeline.export.speculators_format import export_digest, export_speculators
+from pipeline.fsutil import atomic_write_text
 from pipeline.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
 ARTIFACT_PATH = "speculator"
+DIGEST_TAG = "export.sha256"
+UNEVALUATED = "unevaluated"  # the eval.signature of a version exported without an evaluation report
 
 
 def registered_model_name(cfg) -> str:
     return cfg.tracking.registered_model_name or f"{cfg.verifier.name}-{cfg.drafter.name}"
 
 
+def _version_tags(ctx: Context, config: dict, report: dict | None, lineage: dict) -> dict[str, str]:
+    tags = {**{k: str(v) for k, v in lineage.items()},
+            "algorithm": config["speculators_model_type"], "verifier": ctx.cfg.verifier.name}
+    if report:
+        tags["eval.pooled_tau"] = f"{report['pooled_tau']:.4f}"
+        tags["eval.num_speculative_tokens"] = str(report["num_speculative_tokens"])  # eval.signature: identity
+        if report.get("profile"):
+            tags["eval.recommended_k"] = str(report["profile"]["recommended_k"])
+    return tags
+
+
+def version_identity(digest: str, report: dict | None) -> dict[str, str]:
+    """What makes two registrations the same version: the export's bytes and the evaluation its tags and card
+    describe (the same weights evaluated at another K or on other prompts get their own version, so a version's
+    figures and the gate's decisions on it always belong to one evaluation). Returns version tags."""
+    return {DIGEST_TAG: digest, "eval.signature": (report or {}).get("signature") or UNEVALUATED}
+
+
+class Registration(NamedTuple):
+    name: str
+    version: str
+    created: bool  # False: an identical earlier registration was reused
+
+
+def _register(ctx: Context, run_id: str, config: dict, digest: str, report: dict | None,
+              lineage: dict) -> Registration:
+    name = registered_model_name(ctx.cfg)
+    version, created = ctx.tracker.register_once(name, ARTIFACT_PATH, run_id,
+                                                 _version_tags(ctx, config, report, lineage),
+                                                 version_identity(digest, report))
+    if created:
+        log.info("export: registered %s version %s", name, version)
+    ctx.set_tags({"registry.name": name, "registry.version": version, "registry.reused": not created})
+    return Registration(name, version, created)
+
+
+def _publish(ctx: Context, folder: Path, card: str, registered: Registration | None) -> None:
+    """Write the card into the export and log the folder; a version registered by this call is removed again
+    when logging fails, so the registry never points at files that were not logged."""
+    atomic_write_text(folder / CARD_FILE, card)
+    created = registered is not None and registered.created
+    try:
+        ctx.log_artifact(folder, ARTIFACT_PATH)
+    except Exception:
+        if created:
+            ctx.tracker.delete_version(registered.name, registered.version)
+        raise
+    if created:
+        ctx.tracker.describe_version(registered.name, registered.version, card)
+
+
 def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None, lineage: dict) -> dict:
+    """Export the checkpoint in the speculators format with its model card (README.md); when tracked, register it
+    (or reuse the version an identical export and evaluation registered before) and log the folder. Returns
+    {path, speculators_model_type, sha256} plus {registered_model, version, reused} when registered; raises
+    PipelineError for a checkpoint the format cannot hold and MlflowException when the registry refuses."""
     model, _ = load_checkpoint(checkpoint)
     if model.spec.algorithm == "dspark":  # record the truncation threshold the evaluation used
         model.spec.extra["confidence_threshold"] = float(ctx.cfg.evaluation.confidence_threshold)
     folder = export_speculators(model, ctx.paths.export)
     config = json.loads((folder / "config.json").read_text())
-    log.info("export: speculators checkpoint (%s) at %s", config["speculators_model_type"], folder)
-    result = {"path": str(folder), "speculators_model_type": config["speculators_model_type"]}
-    if not (ctx.tracker and run_id):
-        return result
-    ctx.log_artifact(folder, ARTIFACT_PATH)
-    if not ctx.cfg.tracking.register:
-        return result
-    tags = {**{k: str(v) for k, v in lineage.items()},
-            "algorithm": config["speculators_model_type"], "verifier": ctx.cfg.verifier.name}
-    if report:
-        tags["eval.pooled_tau"] = f"{report['pooled_tau']:.4f}"
-        tags["eval.num_speculative_tokens"] = str(report["num_speculative_tokens"])
-        tags["eval.signature"] = report.get("signature", "")
-        if report.get("profile"):
-            tags["eval.recommended_k"] = str(report["profile"]["recommended_k"])
-    name = registered_model_name(ctx.cfg)
-    version = ctx.tracker.register(name, ARTIFACT_PATH, run_id, tags)
-    log.info("export: registered %s version %s", name, version)
-    ctx.set_tags({"registry.name": name, "registry.version": version})
-    result.update({"registered_model": name, "version": version})
+    digest = export_digest(folder)
+    log.info("export: speculators checkpoint (%s) at %s, sha256 %s", config["speculators_model_type"], folder, digest)
+    result = {"path": str(folder), "speculators_model_type": config["speculators_model_type"], "sha256": digest}
+    tracked = bool(ctx.tracker and run_id)
+    registered = _register(ctx, run_id, config, digest, report, lineage) if (
+        tracked and ctx.cfg.tracking.register) else None
+    if registered:
+        result.update({"registered_model": registered.name, "version": registered.version,
+                       "reused": not registered.created})
+    card = model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
+                      (registered.name, registered.version) if registered else None)
+    if tracked:
+        _publish(ctx, folder, card, registered)
+    else:
+        atomic_write_text(folder / CARD_FILE, card)
     return result

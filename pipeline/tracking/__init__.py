@@ -110,6 +110,16 @@ def child_run_name(cfg: DictConfig, stage: str) -> str:
     return SEPARATOR.join([stage, *detail])
 
 
+def _filter_literal(value: str) -> str:
+    """`value` as a string literal of an MLflow search filter, whose parser knows no escapes: in single quotes,
+    or in double quotes when it holds a single quote. Raises ValueError when it holds both."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"{value!r} holds both quote characters: no MLflow search filter can name it")
+
+
 def log_metric_batch(client: Any, run_id: str, metrics: dict[str, float], step: Optional[int] = None) -> None:
     """One round trip for many metrics; usable from a Ray worker that only has the URI and the run id."""
     from mlflow.entities import Metric
@@ -203,6 +213,34 @@ class Tracker:
         # register_model("runs:/...") refuses a plain artifact folder in MLflow 3; create_model_version does not.
         version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags)
         return str(version.version)
+
+    def find_version(self, name: str, tags: dict[str, str]) -> Optional[str]:
+        """The oldest version of `name` whose tags hold every item of `tags`, or None (also when no model is
+        named so). Raises ValueError for a name or tag value no search filter can express."""
+        clauses = [f"name = {_filter_literal(name)}"]
+        clauses += [f"tags.`{key}` = {_filter_literal(str(value))}" for key, value in tags.items()]
+        found = self.client.search_model_versions(" and ".join(clauses), order_by=["version_number ASC"])
+        matching = [v for v in found  # the filter already matched; checked again rather than trusted
+                    if v.name == name and all(v.tags.get(k) == str(value) for k, value in tags.items())]
+        return str(matching[0].version) if matching else None
+
+    def register_once(self, name: str, artifact_path: str, run_id: str, tags: dict[str, str],
+                      identity: dict[str, str]) -> tuple[str, bool]:
+        """The version of `name` whose tags hold `identity` (such as an export's digest), registering the run's
+        artifact folder with `tags` and `identity` when none does. Returns (version, True when registered now)."""
+        existing = self.find_version(name, identity)
+        if existing is not None:
+            log.info("registry: %s version %s already holds %s; reusing it", name, existing, identity)
+            return existing, False
+        return self.register(name, artifact_path, run_id, {**tags, **identity}), True
+
+    def describe_version(self, name: str, version: str, description: str) -> None:
+        """Set the version's description (markdown, shown on its page in the MLflow UI)."""
+        self.client.update_model_version(name, version, description=description)
+
+    def delete_version(self, name: str, version: str) -> None:
+        """Remove a version, such as one registered by a stage that then failed before its files were logged."""
+        self.client.delete_model_version(name, version)
 
     def alias_tags(self, name: str, alias: str) -> Optional[dict[str, str]]:
         """The tags of the version `alias` points at (plus its number as `version`), or None."""

@@ -75,3 +75,12 @@ def test_gate_thresholds_are_settings():
     holder = {"eval.signature": signature, "eval.pooled_tau": "1.5", "version": "1"}
     assert decide(1.60, 0.08, signature, holder, gate).promote
     assert not decide(1.54, 0.0, signature, holder, gate).promote  # gains less than min_tau_gain
+
+
+def test_the_champion_evaluated_again_keeps_its_alias_and_tags(registry):
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    before = tracker.client.get_model_version("m", first).tags
+    decision = promote(tracker, "m", first, report(1.50), served(0.01), GATE)  # a rerun that reused the version
+    assert decision.promote and "already holds champion" in decision.reason
+    assert champion(tracker) == first and tracker.client.get_model_version("m", first).tags == before

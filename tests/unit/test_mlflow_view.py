@@ -1,13 +1,41 @@
 """What a newcomer sees in MLflow, read back through MLflow's own API from a real SQLite store: the experiment opens
-in the model-training view and runs are named for what they are."""
+in the model-training view, runs are named for what they are, every registered version carries the model card the
+export folder holds as README.md, and registering the same export again reuses its version."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shlex
+
 import mlflow
 import pytest
+from safetensors.torch import save_file
 
 from pipeline.config import compose
+from pipeline.context import Context
+from pipeline.export import stage as export_stage
+from pipeline.export.model_card import model_card
+from pipeline.export.speculators_format import export_digest
+from pipeline.paths import StagePaths
 from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, child_run_name, parent_run_name
+from pipeline.training.checkpoint import save_checkpoint
+from pipeline.drafters.build import build_drafter
+from tests.unit.tiny_drafters import tiny_spec, verifier_tensors
+
+LINEAGE = {"lineage.prompts_key": "p1", "lineage.regenerated_key": "r1", "lineage.store_key": "s1",
+           "lineage.train_key": "t1", "lineage.parent_run_id": "run0"}
+
+
+def report(signature: str = "sig-a") -> dict:
+    """An evaluation report of the shape pipeline/evaluation/stage.py writes (the fields the card reads)."""
+    per_set = {"held_out": {"pooled_tau": 1.8125, "per_request_tau": 1.7933, "num_requests": 8},
+               "humaneval": {"pooled_tau": 2.2461, "per_request_tau": 2.2017, "num_requests": 6}}
+    return {"pooled_tau": 2.0017, "per_request_tau": 1.9683, "num_requests": 14,
+            "conditional_acceptance": [0.6125, 0.4211, 0.25, 0.1], "cumulative_acceptance": [0.6125, 0.2579, 0.0645,
+                                                                                          0.0072],
+            "datasets": per_set, "num_speculative_tokens": 4, "temperature": 0.0, "signature": signature,
+            "profile": {"recommended_k": 3, "per_k": []}}
 
 
 @pytest.fixture
@@ -64,3 +92,83 @@ def test_the_experiment_opens_in_the_model_training_view(cfg, tmp_path):
     Tracker(compose([f"paths.root={tmp_path}", "tracking.experiment_name=chosen"]))
     assert client.get_experiment(older).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"  # someone's choice
+
+
+def test_the_card_holds_the_figures_the_training_and_the_serving_commands(cfg):
+    config = {"speculators_model_type": "peagle",
+              "speculators_config": {"verifier": {"name_or_path": "/models/smollm2"}}}
+    card = model_card(cfg, config, "/out/export/t1", report(), {**LINEAGE, "export.sha256": "abc"}, ("m", "3"))
+    assert card.startswith("# m version 3\n")
+    for line in ("| held_out | 1.812 | 1.793 | 8 |", "| humaneval | 2.246 | 2.202 | 6 |",
+                 "| all sets | 2.002 | 1.968 | 14 |", "| 1 | 0.613 | 0.613 |", "| 4 | 0.100 | 0.007 |"):
+        assert line in card.splitlines()
+    assert "K=4 draft tokens, temperature 0 (greedy)" in card
+    assert "Recommended K (speculation profile, best predicted speed-up): 3" in card
+    for fact in ("SmolLM2-135M-Instruct (`/models/smollm2`)", "humaneval (source humaneval, 48 training prompts)",
+                 "| generation backend | hf |", '"depth_keep_decay": 0.8', "300 steps, lr 0.002",
+                 "micro-batch 1 × 2 workers × 1 accumulation steps", "ZeRO stage 2", "| lineage.store_key | `s1` |",
+                 "| export.sha256 | `abc` |"):
+        assert fact in card
+    serve = next(line for line in card.splitlines() if line.startswith("vllm serve"))
+    words = shlex.split(serve)
+    assert words[:3] == ["vllm", "serve", "/models/smollm2"] and words[3] == "--speculative-config"
+    assert json.loads(words[4]) == {"model": "/out/export/t1", "num_speculative_tokens": 4, "method": "eagle3",
+                                    "parallel_drafting": True}
+    assert "python jobs/serve.py serving.model=models:/m/3" in card.splitlines()
+
+
+def test_a_card_without_evaluation_or_registry_says_so(cfg):
+    config = {"speculators_model_type": "dflash", "speculators_config": {"verifier": {"name_or_path": "v"}}}
+    card = model_card(cfg, config, "/e", None, LINEAGE)
+    assert "Not evaluated: this export was made without an evaluation report." in card
+    assert "jobs/serve.py" not in card and '"method": "dflash"' in card
+    assert '"num_speculative_tokens": 4' in card  # the drafter's K when nothing was evaluated
+
+
+@pytest.fixture
+def export(cfg, tmp_path):
+    """Run the export stage as the runner does (a child run of a parent run) on a tiny P-EAGLE checkpoint."""
+    verifier = tmp_path / "verifier"  # where a checkpoint's drafter finds the verifier's embedding when loaded
+    verifier.mkdir()
+    embedding, head = verifier_tensors()
+    save_file({"model.embed_tokens.weight": embedding, "lm_head.weight": head}, str(verifier / "model.safetensors"))
+    spec = dataclasses.replace(tiny_spec("peagle"), verifier_path=str(verifier))
+    checkpoint = tmp_path / "checkpoint"
+    save_checkpoint(checkpoint, build_drafter(spec, (embedding, head)), {"step": 6})
+    ctx = Context(cfg=cfg, paths=StagePaths(cfg), tracker=Tracker(cfg))
+
+    def run(evaluation: dict | None) -> dict:
+        with ctx.tracker.parent_run("evaluate"), ctx.tracker.child_run("export") as run_id:
+            return export_stage.run(ctx, checkpoint, evaluation, run_id, LINEAGE)
+    return ctx, run
+
+
+def test_each_version_carries_the_card_the_export_folder_holds(export):
+    ctx, run = export
+    result = run(report())
+    version = ctx.tracker.client.get_model_version(result["registered_model"], result["version"])
+    readme = (ctx.paths.export / "README.md").read_text()
+    assert version.description == readme
+    assert readme.startswith(f"# SmolLM2-135M-Instruct-peagle version {result['version']}\n")
+    assert "| held_out | 1.812 | 1.793 | 8 |" in readme and "| humaneval | 2.246 | 2.202 | 6 |" in readme
+    assert f"serving.model=models:/SmolLM2-135M-Instruct-peagle/{result['version']}" in readme
+    assert version.tags["export.sha256"] == result["sha256"] == export_digest(ctx.paths.export)
+    logged = ctx.tracker.client.download_artifacts(version.run_id, "speculator/README.md", str(ctx.paths.root))
+    assert open(logged).read() == readme  # the card was in the folder before it was logged
+
+
+def test_registering_the_same_export_twice_yields_one_version(export):
+    ctx, run = export
+    first, again = run(report()), run(report())
+    assert (again["version"], again["reused"]) == (first["version"], True) and not first["reused"]
+    name = first["registered_model"]
+    assert len(ctx.tracker.client.search_model_versions(f"name = '{name}'")) == 1
+    export_runs = ctx.tracker.client.search_runs([ctx.tracker.experiment_id], "tags.stage = 'export'")
+    assert sorted(r.data.tags["registry.reused"] for r in export_runs) == ["False", "True"]
+
+    other = run(report(signature="sig-b"))  # the same weights under another evaluation: its own figures
+    unevaluated = run(None)
+    assert len({first["version"], other["version"], unevaluated["version"]}) == 3
+    card = ctx.tracker.client.get_model_version(name, unevaluated["version"]).description
+    assert "Not evaluated" in card and card == (ctx.paths.export / "README.md").read_text()
+    assert run(None)["version"] == unevaluated["version"]
