@@ -70,6 +70,12 @@ def _deepspeed(cfg: DictConfig) -> str:
     return f"ZeRO stage {cfg.deepspeed.zero_stage}" if cfg.deepspeed.enabled else "off (plain PyTorch)"
 
 
+def _generation(cfg: DictConfig) -> str:
+    capture = cfg.generation.get("capture_backend")
+    backend = cfg.generation.backend
+    return f"{backend} (hidden states captured with {capture})" if capture and capture != backend else backend
+
+
 def training_section(cfg: DictConfig, export_config: dict) -> list[str]:
     """How the drafter was trained: verifier, prompt set, generation backend, drafter config, optimisation and
     DeepSpeed. Returns markdown lines; raises KeyError when the export's config.json lacks its verifier."""
@@ -79,7 +85,7 @@ def training_section(cfg: DictConfig, export_config: dict) -> list[str]:
     rows = [
         ["verifier", f"{cfg.verifier.name} (`{verifier_path}`)"],
         ["prompt set", f"{data.name} (source {data.source}, {data.num_train} training prompts)"],
-        ["generation backend", cfg.generation.backend],
+        ["generation backend", _generation(cfg)],
         ["drafter", f"{cfg.drafter.name} (`{export_config['speculators_model_type']}` in the speculators format)"],
         ["drafter config", f"`{drafter}`"],
         ["training", f"{training.max_steps} steps, lr {training.lr:g}, {_batch(training)}"],

@@ -38,9 +38,17 @@ def report(signature: str = "sig-a") -> dict:
             "profile": {"recommended_k": 3, "per_k": []}}
 
 
+# The defaults the expected names and card lines below spell out, pinned so a change of default leaves them true.
+PINNED = ["verifier=smollm2", "data=humaneval", "data.num_train=48", "data.num_eval=8", "drafter=peagle",
+          "drafter.num_speculative_tokens=4", "training.max_steps=300", "training.lr=0.002",
+          "training.micro_batch_size=1", "training.num_workers=2", "training.grad_accum_steps=1", "deepspeed=zero2",
+          "generation.backend=hf", "generation.capture_backend=null", "evaluation.datasets=[held_out]",
+          "evaluation.num_speculative_tokens=4"]
+
+
 @pytest.fixture
 def cfg(tmp_path):
-    return compose([f"paths.root={tmp_path}"])
+    return compose([f"paths.root={tmp_path}", *PINNED])
 
 
 def test_run_names_say_what_each_run_is(cfg):
@@ -61,7 +69,7 @@ def test_run_names_say_what_each_run_is(cfg):
         "promote": "promote · champion",
         "other": "other",
     }
-    other = compose(["drafter=dflash", "drafter.num_speculative_tokens=8", "training.max_steps=20",
+    other = compose([*PINNED, "drafter=dflash", "drafter.num_speculative_tokens=8", "training.max_steps=20",
                      "evaluation.datasets=[held_out,humaneval]", "evaluation.num_speculative_tokens=3"])
     assert parent_run_name(other, "pipeline") == "pipeline · SmolLM2-135M-Instruct · dflash K=8 · 20 steps"
     assert parent_run_name(other, "evaluate") == ("evaluate · SmolLM2-135M-Instruct · dflash K=8 · "
@@ -88,8 +96,8 @@ def test_the_experiment_opens_in_the_model_training_view(cfg, tmp_path):
     client = mlflow.MlflowClient(tracker.uri)
     older = client.create_experiment("made-before-the-tag")  # an experiment an earlier version created
     chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
-    Tracker(compose([f"paths.root={tmp_path}", "tracking.experiment_name=made-before-the-tag"]))
-    Tracker(compose([f"paths.root={tmp_path}", "tracking.experiment_name=chosen"]))
+    for name in ("made-before-the-tag", "chosen"):
+        Tracker(compose([f"paths.root={tmp_path}", f"tracking.experiment_name={name}"]))
     assert client.get_experiment(older).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"  # someone's choice
 
@@ -119,7 +127,10 @@ def test_the_card_holds_the_figures_the_training_and_the_serving_commands(cfg):
 
 def test_a_card_without_evaluation_or_registry_says_so(cfg):
     config = {"speculators_model_type": "dflash", "speculators_config": {"verifier": {"name_or_path": "v"}}}
+    cfg.generation.backend = "vllm"
+    cfg.generation.capture_backend = "hf"
     card = model_card(cfg, config, "/e", None, LINEAGE)
+    assert "| generation backend | vllm (hidden states captured with hf) |" in card
     assert "Not evaluated: this export was made without an evaluation report." in card
     assert "jobs/serve.py" not in card and '"method": "dflash"' in card
     assert '"num_speculative_tokens": 4' in card  # the drafter's K when nothing was evaluated
