@@ -199,3 +199,45 @@ def verifier_greedy(verifier: Any, prompt: list[int], max_new_tokens: int, eos_t
                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                             pad_token_id=eos_token_id)
     return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def greedy_mismatches(verifier: Any, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
+                      eos_token_id: Optional[int], batch_size: int = 8) -> list[int]:
+    """Indices of the outputs that greedy decoding would not produce, checked in one teacher-forced forward.
+
+    An output equals ``verifier.generate(do_sample=False)`` exactly when every output token is the verifier's argmax
+    after the prompt and the output tokens before it, and it ends where greedy decoding ends: at the first
+    end-of-sequence token or after ``max_new_tokens``. One forward over prompt + output checks all of that at once,
+    so the lossless check costs a prefill per request instead of a second decode. prompts/outputs: token ids.
+    """
+    failed = []
+    for start in range(0, len(prompts), batch_size):
+        rows = [p + o for p, o in zip(prompts[start:start + batch_size], outputs[start:start + batch_size])]
+        width = max(len(row) for row in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attention = torch.zeros(len(rows), width, dtype=torch.long)
+        for index, row in enumerate(rows):  # right padding: no real position sees the padding after it
+            ids[index, :len(row)] = torch.tensor(row, dtype=torch.long)
+            attention[index, :len(row)] = 1
+        logits = verifier(input_ids=ids.to(verifier.device), attention_mask=attention.to(verifier.device)).logits
+        greedy = logits.argmax(dim=-1).cpu()  # [B, width]: the argmax after each prefix
+        for offset, (prompt, output) in enumerate(zip(prompts[start:start + batch_size],
+                                                      outputs[start:start + batch_size])):
+            if not _is_greedy_output(greedy[offset], len(prompt), output, max_new_tokens, eos_token_id):
+                failed.append(start + offset)
+    return failed
+
+
+def _is_greedy_output(greedy: torch.Tensor, prompt_length: int, output: list[int], max_new_tokens: int,
+                      eos_token_id: Optional[int]) -> bool:
+    """greedy [width]: argmax after each position of prompt + output."""
+    if not output:
+        return max_new_tokens == 0
+    expected = greedy[prompt_length - 1: prompt_length - 1 + len(output)].tolist()
+    if expected != output:
+        return False
+    if eos_token_id is not None and eos_token_id in output[:-1]:
+        return False  # greedy decoding stops at the first end-of-sequence token
+    stopped_by_eos = eos_token_id is not None and output[-1] == eos_token_id
+    return stopped_by_eos or len(output) == max_new_tokens

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
-from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
+from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches, verifier_greedy
 from pipeline.generation.verifier import load_verifier
 
 PROMPTS = [
@@ -154,3 +154,25 @@ def test_trained_drafters_stay_lossless(tiny_verifier_path, algorithm):
     results = SpeculativeDecoder(verifier, drafter, 4).generate_batch(prompts, 24, tokenizer.eos_token_id)
     for prompt, (tokens, _) in zip(prompts, results):
         assert tokens == verifier_greedy(verifier, prompt, 24, tokenizer.eos_token_id)
+
+
+def test_the_teacher_forced_check_accepts_greedy_outputs_and_flags_every_kind_of_deviation(tiny_verifier_path):
+    """greedy_mismatches (one forward per request) agrees with a second greedy decode: it passes generate's own
+    outputs, and flags a changed token, an output cut short before eos, and one running on past eos."""
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    eos = tokenizer.eos_token_id
+    prompts = [prompt_tokens(tokenizer, text) for text in PROMPTS[:4]]
+    outputs = [verifier_greedy(verifier, prompt, 16, eos) for prompt in prompts]
+    assert greedy_mismatches(verifier, prompts, outputs, 16, eos, batch_size=3) == []
+
+    changed = [list(o) for o in outputs]
+    changed[1][5] = (changed[1][5] + 1) % verifier.config.vocab_size
+    cut_short = [list(o) for o in outputs]
+    cut_short[2] = cut_short[2][:-1]
+    assert greedy_mismatches(verifier, prompts, changed, 16, eos, batch_size=3) == [1]
+    assert greedy_mismatches(verifier, prompts, cut_short, 16, eos, batch_size=3) == [2]
+    # an end-of-sequence token inside the output that decoding went past: greedy stops there
+    first_new = next(i for i in range(1, 16) if outputs[0][i] not in outputs[0][:i])
+    stop = outputs[0][first_new]
+    assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 1]], 16, stop) == []
+    assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 2]], 16, stop) == [0]
