@@ -93,7 +93,10 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
         return hidden.sum() * 0.0, zeros, zeros.clone()
     row_anchor, row_depth = anchors[batch_index, row_index], depths[batch_index, row_index]
     teacher_pos = row_anchor + 1 + row_depth  # the verifier position whose next-token distribution we match
+    # Chains of nearby anchors end on the same positions: each verifier position's logits are computed once.
+    flat_pos = batch_index * last.shape[1] + teacher_pos  # [N]
+    unique_pos, teacher_rows = torch.unique(flat_pos, return_inverse=True)  # [U], [N]
     with torch.no_grad():
-        teacher = model.teacher_logits(last[batch_index, teacher_pos])  # [N, V]
+        teacher = model.teacher_logits(last.reshape(-1, last.shape[-1])[unique_pos])  # [U, V]
     student = model.lm_head(hidden[batch_index, row_index])  # [N, Vd]
-    return distill_rows(model, student, teacher, row_depth)
+    return distill_rows(model, student, teacher, row_depth, teacher_rows=teacher_rows)

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 
-def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor,
                        weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(Weighted) mean over rows of CE(teacher softmax, student) = KL(teacher || student) + teacher entropy."""
-    teacher = F.softmax(teacher_logits.float(), dim=-1)
-    per_row = -(teacher * F.log_softmax(student_logits.float(), dim=-1)).sum(dim=-1)
+    """(Weighted) mean over rows of CE(teacher, student) = KL(teacher || student) + teacher entropy.
+
+    student_logits [N, Vd], teacher_probs [N, Vd] (rows sum to 1), weights [N] or None."""
+    per_row = -(teacher_probs * F.log_softmax(student_logits.float(), dim=-1)).sum(dim=-1)
     if weights is None:
         return per_row.mean()
     return (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
@@ -27,17 +28,23 @@ def per_depth_counts(match: torch.Tensor, depths: torch.Tensor, num_depths: int)
 
 
 def distill_rows(model: Any, student_logits: torch.Tensor, teacher_full: torch.Tensor, depths: torch.Tensor,
-                 weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss and per-depth greedy matches of draft-vocabulary logits [N, Vd] against the verifier's [N, V].
+                 weights: Optional[torch.Tensor] = None, teacher_rows: Optional[torch.Tensor] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss and per-depth greedy matches of draft-vocabulary logits [N, Vd] against the verifier's logits.
 
-    With a pruned vocabulary the target is the verifier's distribution renormalised over the draft vocabulary,
-    but a match still needs the verifier's full-vocabulary argmax: a token outside the draft vocabulary is a miss,
-    exactly as in serving.
+    teacher_full: [U, V] verifier logits; teacher_rows: [N] index of each student row's teacher row (None: U = N,
+    row i's own). Several rows often share one verifier position (the chains of nearby anchors), so callers pass
+    each position once and its softmax is computed once. With a pruned vocabulary the target is the verifier's
+    distribution renormalised over the draft vocabulary, but a match still needs the verifier's full-vocabulary
+    argmax: a token outside the draft vocabulary is a miss, exactly as in serving.
     """
-    loss = soft_cross_entropy(student_logits, model.to_draft_vocab(teacher_full), weights)
+    teacher_probs = F.softmax(model.to_draft_vocab(teacher_full).float(), dim=-1)  # [U, Vd]
+    teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
+    if teacher_rows is not None:
+        teacher_probs, teacher_argmax = teacher_probs[teacher_rows], teacher_argmax[teacher_rows]
+    loss = soft_cross_entropy(student_logits, teacher_probs, weights)
     drafted = model.to_target_ids(student_logits.detach().argmax(dim=-1))
-    correct, total = per_depth_counts(drafted == teacher_full.argmax(dim=-1), depths,
-                                      model.spec.num_speculative_tokens)
+    correct, total = per_depth_counts(drafted == teacher_argmax, depths, model.spec.num_speculative_tokens)
     return loss, correct, total
 
 
