@@ -45,7 +45,11 @@ def _spec(ctx: Context, manifest: dict):
     missing = [i for i in spec.aux_layer_ids if i not in manifest["layer_ids"]]
     if missing:
         raise PipelineError(f"drafter.aux_layer_ids: layers {missing} are not in the store ({manifest['layer_ids']})")
-    if ctx.cfg.drafter.draft_vocab_size:
+    size = ctx.cfg.drafter.draft_vocab_size
+    if size and size >= spec.vocab_size:  # a small verifier's whole vocabulary already fits: nothing to prune
+        log.info("train: drafter.draft_vocab_size=%d covers the verifier's %d tokens: full vocabulary", size,
+                 spec.vocab_size)
+    elif size:
         keep = [t for t in (tokenizer.eos_token_id,) if t is not None]
         spec.draft_token_ids = most_frequent_tokens(iter_trained_tokens(ctx.paths.store, manifest), spec.vocab_size,
                                                     int(ctx.cfg.drafter.draft_vocab_size), keep)
