@@ -54,8 +54,9 @@ def run(args) -> dict:
     config = verifier.model.config
     layers = store_layer_ids(None, int(config.num_hidden_layers))
     samples = chat_samples(verifier.tokenizer, args.samples, args.regenerated)
-    batches = pack_by_token_budget([len(s) for s in samples], cfg.generation.max_batch_tokens,
-                                   cfg.generation.batch_size)
+    gen = cfg.generation
+    batches = pack_by_token_budget([len(s) for s in samples], gen.capture_max_batch_tokens or gen.max_batch_tokens,
+                                   gen.capture_batch_size or gen.batch_size)
     seconds = {"plain": 0.0, "capture_write_bf16": 0.0, "capture_write_fp8": 0.0}
     stored_bytes = {"capture_write_bf16": 0, "capture_write_fp8": 0}
     tokens = 0

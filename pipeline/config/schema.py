@@ -73,6 +73,10 @@ class GenerationConfig:
     # Token budget of one verifier batch (rows x longest row) and its most rows; one store shard per batch.
     max_batch_tokens: int = 4096
     batch_size: int = 8
+    # Capture's own batches (null = the same as regeneration's): vLLM schedules a large regeneration batch itself,
+    # while a transformers capture forward holds the whole padded batch's hidden states at once.
+    capture_max_batch_tokens: Optional[int] = None
+    capture_batch_size: Optional[int] = None
     # Refuse to start when the projected store (tokens x layers x hidden x bytes) is larger.
     max_store_gb: float = 100.0
     # none: hidden states in verifier.save_dtype; fp8: float8 e4m3 with one scale per row (about half of bf16).

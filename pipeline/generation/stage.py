@@ -260,7 +260,9 @@ def _check_store_compatible(previous: dict | None, wanted: dict, store: Path) ->
 
 
 def _capture_items(todo: list[dict], gen_cfg: Any) -> list[dict]:
-    batches = pack_by_token_budget([len(r["input_ids"]) for r in todo], gen_cfg.max_batch_tokens, gen_cfg.batch_size)
+    batches = pack_by_token_budget([len(r["input_ids"]) for r in todo],
+                                   gen_cfg.capture_max_batch_tokens or gen_cfg.max_batch_tokens,
+                                   gen_cfg.capture_batch_size or gen_cfg.batch_size)
     return [{"rows_json": json.dumps([todo[i] for i in batch])} for batch in batches]
 
 
