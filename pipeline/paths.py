@@ -27,7 +27,8 @@ class StagePaths:
     def __init__(self, cfg: DictConfig):
         self.root = Path(cfg.paths.root).expanduser().resolve()
         verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
-        self.prompts_key = content_key(cfg.data)
+        # split-v2: the held-out prompts are taken before the train prompts (a folder of the old split is not reused)
+        self.prompts_key = content_key(cfg.data, "split-v2")
         gen = cfg.generation
         regeneration = {k: gen[k] for k in ("backend", "responses", "temperature", "top_p", "seed",
                                              "max_new_tokens", "max_length", "overlength")}

@@ -154,13 +154,14 @@ def load_prompts(data_cfg: Any) -> datasets.Dataset:
 
 
 def split_prompts(prompts: datasets.Dataset, data_cfg: Any) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Shuffle with a fixed seed, then take disjoint train and held-out eval sets."""
+    """Shuffle with a fixed seed, then take the held-out eval set first and the train set after it: the
+    held-out prompts do not move when num_train changes, so runs with more or less data are measured alike."""
     wanted = data_cfg.num_train + data_cfg.num_eval
     if len(prompts) < wanted:
         raise PipelineError(
             f"data.num_train + data.num_eval = {wanted} but the source has only {len(prompts)} conversations"
         )
     shuffled = prompts.shuffle(seed=data_cfg.shuffle_seed)
-    train = shuffled.select(range(data_cfg.num_train))
-    held_out = shuffled.select(list(range(data_cfg.num_train, wanted)))  # a list: an empty range is refused
+    held_out = shuffled.select(list(range(data_cfg.num_eval)))  # a list: an empty range is refused
+    train = shuffled.select(range(data_cfg.num_eval, wanted))
     return train, held_out
