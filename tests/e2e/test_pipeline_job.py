@@ -52,25 +52,9 @@ def check_outputs(root: Path, min_first_position_acceptance: float) -> dict:
     return {"client": client, "runs": runs, "parents": parents, "children": children, "report": report}
 
 
-@pytest.mark.slow
-def test_smoke_pipeline_then_rerun_reuses_finished_work(tmp_path):
-    run_pipeline(tmp_path, "experiment=smoke", timeout=1200)
-    check_outputs(tmp_path, min_first_position_acceptance=0.0)
-    shards = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("stores/*/shard-*.safetensors")}
-    assert shards
-
-    run_pipeline(tmp_path, "experiment=smoke", timeout=1200)
-    outputs = check_outputs(tmp_path, min_first_position_acceptance=0.0)
-    assert len(outputs["parents"]) == 2
-    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("stores/*/shard-*.safetensors")} == shards
-    assert outputs["children"]["capture"].data.metrics["capture.new_samples"] == 0
-    assert outputs["children"]["train"].data.tags.get("train.reused") == "True"
-    assert outputs["children"]["evaluate"].data.tags.get("eval.reused") == "True"
-
-
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
-    """The README's first command, on a temporary output root: about 25 minutes on 2 AVX2 CPU cores (fp32)."""
+    """The README's first command, on a temporary output root (see the README for its time on 2 CPU cores)."""
     root = tmp_path_factory.mktemp("default")
     run_pipeline(root, timeout=2700)
     return root
@@ -108,6 +92,13 @@ def test_default_pipeline_is_served_by_vllm_as_measured_and_becomes_champion(def
     assert champion.run_id == children["export"].info.run_id  # the first version that passes is the champion
     assert champion.tags["gate.decision"] == "promoted"
     assert children["vllm_eval"].data.metrics["vllm.tau_gap"] == pytest.approx(served["tau_gap"])
+    # what a user sees in MLflow: the model-training view, named runs, the model card on the version and export
+    experiment = client.get_experiment_by_name("speculators")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert outputs["parents"][-1].info.run_name.startswith("pipeline · SmolLM2-135M-Instruct · peagle K=4")
+    card = next(default_run.glob("export/*")) / "README.md"
+    assert f"{report['datasets']['held_out']['pooled_tau']:.3f}" in card.read_text()
+    assert champion.description == card.read_text()
 
 
 @pytest.mark.slow
@@ -196,3 +187,26 @@ def test_ray_serve_serves_the_champion_like_the_plain_verifier(default_run, tmp_
     with serve_job(base + ["serving.speculative=false"], free_port(), tmp_path / "plain.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         assert chat_and_complete(client, "SmolLM2-135M-Instruct-peagle", messages, prompt_ids) == speculative
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_rerun_of_the_default_pipeline_reuses_every_finished_stage(default_run):
+    """Runs last in this module: the same command again recomputes nothing (no regenerated answer, no captured
+    shard, no training step, no evaluation) and registers no second version of the same export."""
+    shards = {p.name: p.stat().st_mtime_ns for p in default_run.glob("stores/*/shard-*.safetensors")}
+    assert shards
+    client, _, parents = tracking(default_run)
+    versions_before = client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'")
+    run_pipeline(default_run, timeout=1200)
+    client, runs, parents_after = tracking(default_run)
+    assert len(parents_after) == len(parents) + 1
+    children = children_of(runs, parents_after[-1])
+    assert set(children) == STAGES
+    assert {p.name: p.stat().st_mtime_ns for p in default_run.glob("stores/*/shard-*.safetensors")} == shards
+    assert children["regenerate"].data.tags.get("regenerated.reused") == "True"
+    assert children["capture"].data.metrics["capture.new_samples"] == 0
+    assert children["train"].data.tags.get("train.reused") == "True"
+    assert children["evaluate"].data.tags.get("eval.reused") == "True"
+    versions_after = client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'")
+    assert sorted(v.version for v in versions_after) == sorted(v.version for v in versions_before)
