@@ -89,6 +89,9 @@ class GenerationConfig:
     tensor_parallel_size: int = 1
     # vLLM backend: fraction of GPU memory (or of the CPU KV-cache space) its engine may take.
     gpu_memory_utilization: float = 0.5
+    # vLLM backend: GiB of KV cache (its kv_cache_memory_bytes), instead of what gpu_memory_utilization leaves;
+    # null = vLLM decides. On CPU vLLM's own sizing leaves room for about 10 concurrent sequences of 640 tokens.
+    kv_cache_gb: Optional[float] = None
 
 
 @dataclass

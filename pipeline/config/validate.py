@@ -56,7 +56,7 @@ def validate(cfg: DictConfig) -> None:
     _require(gen.temperature >= 0, "generation.temperature: must be >= 0")
     _require(0 < gen.top_p <= 1, "generation.top_p: must be in (0, 1]")
     _require(gen.max_batch_tokens > 0 and gen.batch_size > 0, "generation.max_batch_tokens / batch_size: must be > 0")
-    for key in ("capture_max_batch_tokens", "capture_batch_size"):
+    for key in ("capture_max_batch_tokens", "capture_batch_size", "kv_cache_gb"):
         _require(gen[key] is None or gen[key] > 0, f"generation.{key}: must be > 0 (or null)")
     _require(gen.max_store_gb > 0, "generation.max_store_gb: must be > 0")
     _require(gen.num_actors >= 1, "generation.num_actors: must be >= 1")

