@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.chains import attention_allowed, sample_training_rows
 from pipeline.drafters.common import DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary
-from pipeline.losses.distill import distill_rows, on_model_device, pad_stack
+from pipeline.losses.distill import distill_rows, on_model_device, pad_stack, soft_cross_entropy
 
 
 class EagleFamilyDrafter(DrafterBase):
@@ -96,7 +97,25 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
     # Chains of nearby anchors end on the same positions: each verifier position's logits are computed once.
     flat_pos = batch_index * last.shape[1] + teacher_pos  # [N]
     unique_pos, teacher_rows = torch.unique(flat_pos, return_inverse=True)  # [U], [N]
-    with torch.no_grad():
-        teacher = model.teacher_logits(last.reshape(-1, last.shape[-1])[unique_pos])  # [U, V]
+    teacher_hidden = last.reshape(-1, last.shape[-1])[unique_pos]  # [U, H]
     student = model.lm_head(hidden[batch_index, row_index])  # [N, Vd]
+    if model.draft_ids is not None and not options.get("count_matches", True):
+        return draft_vocab_loss(model, student, teacher_hidden, teacher_rows)
+    with torch.no_grad():
+        teacher = model.teacher_logits(teacher_hidden)  # [U, V]
     return distill_rows(model, student, teacher, row_depth, teacher_rows=teacher_rows)
+
+
+def draft_vocab_loss(model: EagleFamilyDrafter, student: torch.Tensor, teacher_hidden: torch.Tensor,
+                     teacher_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distillation loss of a pruned drafter without the greedy-match counts (returned as zeros [K]).
+
+    The target is the verifier's distribution renormalised over the draft vocabulary, whose logits are the frozen
+    LM head's rows (the verifier's rows of the draft tokens): [U, Vd] instead of the verifier's [U, V]. Only the
+    counts need the full vocabulary's argmax, so steps that log no metrics skip it (option `count_matches`).
+    student [N, Vd], teacher_hidden [U, H] post-norm verifier states, teacher_rows [N] -> index into U.
+    """
+    with torch.no_grad():
+        teacher_probs = F.softmax(model.lm_head(teacher_hidden).float(), dim=-1)[teacher_rows]  # [N, Vd]
+    zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student.device)
+    return soft_cross_entropy(student, teacher_probs), zeros, zeros.clone()

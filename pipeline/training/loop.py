@@ -303,6 +303,12 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
     sequences = 0
     for step in range(start + 1, training["max_steps"] + 1):
         generator.manual_seed(step_seed(training["seed"], step, rank))
+        last = step == training["max_steps"]
+        with_checkpoint = step % training["checkpoint_every"] == 0 or last
+        logs = step % training["log_every"] == 0 or with_checkpoint
+        # Greedy-match counts need the verifier's full-vocabulary argmax: a pruned drafter computes them only on
+        # the steps that log them (train.acc_pos*, train.proxy_tau are then those steps' micro-batches).
+        options = {**config["drafter"], "count_matches": logs}
         for micro_index in range(accum):
             fed = next(feed)
             if (fed["step"], fed["micro"]) != (step, micro_index):  # the stream must be the planned order
@@ -310,7 +316,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
                                    f"expected step {step} micro {micro_index}")
             batch = fed["samples"]
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
-                loss, correct, total = engine.module.training_loss(batch, config["drafter"], generator)
+                loss, correct, total = engine.module.training_loss(batch, options, generator)
             engine.backward_and_step(loss, boundary=micro_index == accum - 1)
             loss_sum += loss.detach().float().cpu()
             correct_sum, total_sum = correct_sum + correct.cpu(), total_sum + total.cpu()
@@ -318,9 +324,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
             sequences += len(batch)
             window_steps += 1
         progress.update(1)
-        last = step == training["max_steps"]
-        with_checkpoint = step % training["checkpoint_every"] == 0 or last
-        if not (step % training["log_every"] == 0 or with_checkpoint):
+        if not logs:
             continue
         # Every rank reaches this on the same steps: the reductions and ray.train.report stay in lockstep.
         metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens, sequences, window_steps,
@@ -344,6 +348,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
 
 
 def _progress(total: int, start: int):
-    from tqdm import tqdm
+    from pipeline.logs import progress_bar
 
-    return tqdm(total=total, initial=start, desc="train", disable=not dist.is_rank_zero(), mininterval=5)
+    # A Ray worker's output reaches the driver line by line: whole lines, not redraws glued to the next log line.
+    return progress_bar(total, "train", initial=start, disable=not dist.is_rank_zero())

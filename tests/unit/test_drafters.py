@@ -233,3 +233,22 @@ def test_eagle3_ttt_does_not_depend_on_the_rows_being_ordered_by_depth():
     ordered = model(aux, ids, anchors[None], depths[None], valid)
     unordered = model(aux, ids, anchors[shuffled][None], depths[shuffled][None], valid)
     torch.testing.assert_close(unordered, ordered[:, shuffled], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_matches(algorithm):
+    """Training steps that log nothing skip the verifier's full-vocabulary logits: the loss and its gradients are
+    the same as with the counts (the draft vocabulary's teacher logits are the frozen head's rows); the counts
+    come back as zeros."""
+    kept = list(range(0, VOCAB, 2))
+    results = []
+    for count_matches in (True, False):
+        model = tiny_drafter(algorithm, draft_token_ids=kept)
+        loss, correct, total = model.training_loss(tiny_samples(), {**OPTIONS, "count_matches": count_matches},
+                                                   torch.Generator().manual_seed(3))
+        loss.backward()
+        results.append((loss.detach(), model.fc.weight.grad.clone(), correct, total))
+    (loss, grad, correct, total), (fast_loss, fast_grad, fast_correct, fast_total) = results
+    torch.testing.assert_close(fast_loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_grad, grad, rtol=1e-4, atol=1e-7)
+    assert total.sum() > 0 and fast_total.sum() == 0 and fast_correct.sum() == 0
