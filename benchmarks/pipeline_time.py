@@ -1,0 +1,124 @@
+"""The default pipeline's wall time, stage by stage, before and after a change, written as JSON.
+
+    python benchmarks/pipeline_time.py --before <git ref> [--out benchmarks/results/pipeline_time.json] [overrides]
+    python benchmarks/pipeline_time.py --before-root DIR --after-root DIR      # two finished runs' output roots
+
+Runs `python jobs/pipeline.py` (the README's first command) for the `--before` commit (checked out in a temporary
+git worktree, its own code on PYTHONPATH) and then for this working tree, one right after the other, each on a cold
+output root; the verifier's conversion is cached under ~/.cache/pipeline for both. Stage times come from the same
+place for both sides: the start and end of each stage's MLflow child run, and the job's from its parent run. Also
+recorded: the machine (CPU model, AVX2 / AVX512-BF16, cores), the held-out pooled tau at the evaluated K, the
+greedy-equivalence result, the vLLM tau gap and whether the gate promoted, so speed is never bought with quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
+
+
+def machine() -> dict:
+    flags: set[str] = set()
+    model = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+    return {"cpu": model, "cores": os.cpu_count(), "avx2": "avx2" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags}
+
+
+def run_pipeline(code_dir: Path, root: Path, overrides: list[str]) -> float:
+    """Wall seconds of `python jobs/pipeline.py` run from code_dir (its own package first on the path)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["PYTHONPATH"] = str(code_dir)
+    log = root.with_suffix(".log")
+    started = time.time()
+    with log.open("w") as out:
+        result = subprocess.run([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides],
+                                cwd=code_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise SystemExit(f"the pipeline in {code_dir} failed (exit {result.returncode}); its log: {log}")
+    return time.time() - started
+
+
+def measured(root: Path) -> dict:
+    """Stage and job seconds from the root's MLflow store, and the quality figures of its evaluation."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("speculators")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][-1]
+    stages = {}
+    for run in runs:
+        if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id:
+            stages[run.data.tags["stage"]] = (run.info.end_time - run.info.start_time) / 1000
+    report = json.loads(next(root.glob("eval/*/report.json")).read_text())
+    served = json.loads(next(root.glob("eval/*/vllm.json")).read_text()) if list(root.glob("eval/*/vllm.json")) \
+        else {}
+    promote = [r for r in runs if r.data.tags.get("stage") == "promote"
+               and r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    return {
+        "job_seconds": (parent.info.end_time - parent.info.start_time) / 1000,
+        "stage_seconds": {s: round(stages[s], 1) for s in STAGES if s in stages},
+        "held_out_pooled_tau": report["datasets"]["held_out"]["pooled_tau"],
+        "num_speculative_tokens": report["num_speculative_tokens"],
+        "conditional_acceptance": report["conditional_acceptance"],
+        "greedy_mismatches": len(report["greedy_mismatches"]),
+        "vllm_tau": served.get("tau"), "vllm_tau_gap": served.get("tau_gap"),
+        "gate": promote[0].data.tags.get("gate.decision") if promote else None,
+    }
+
+
+def compare(before: dict, after: dict) -> dict:
+    ratios = {s: round(after["stage_seconds"][s] / before["stage_seconds"][s], 3)
+              for s in after["stage_seconds"] if before["stage_seconds"].get(s)}
+    return {"after_over_before": round(after["job_seconds"] / before["job_seconds"], 3),
+            "stage_after_over_before": ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="git ref of the code to compare against")
+    parser.add_argument("--before-root", type=Path, help="output root of a finished run of the old code")
+    parser.add_argument("--after-root", type=Path, help="output root of a finished run of this tree")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline_time.json")
+    parser.add_argument("--note", default="", help="free text stored with the result (conditions, noise)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs (none: the default run)")
+    args = parser.parse_args()
+    result = {"machine": machine(), "overrides": args.overrides, "note": args.note}
+    if args.before_root and args.after_root:
+        before_root, after_root = args.before_root, args.after_root
+    elif args.before:
+        scratch = Path(tempfile.mkdtemp(prefix="pipeline-time-"))
+        before_code = scratch / "before-code"
+        subprocess.run(["git", "worktree", "add", "--detach", str(before_code), args.before], cwd=REPO, check=True)
+        before_root, after_root = scratch / "before", scratch / "after"
+        result["before_wall_seconds"] = run_pipeline(before_code, before_root, args.overrides)
+        result["after_wall_seconds"] = run_pipeline(REPO, after_root, args.overrides)
+        subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=REPO, check=False)
+    else:
+        parser.error("give --before REF, or --before-root and --after-root")
+    result["before"], result["after"] = measured(before_root), measured(after_root)
+    result.update(compare(result["before"], result["after"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("after_over_before", "stage_after_over_before")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
