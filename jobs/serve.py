@@ -11,6 +11,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from pipeline.config import register_configs  # noqa: E402
+from pipeline.logs import setup_job_logging  # noqa: E402
 from pipeline.serving.job import run_serve  # noqa: E402
 
 register_configs()
@@ -18,6 +19,7 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    setup_job_logging()
     code = run_serve(cfg)
     if code:
         sys.exit(code)

@@ -6,13 +6,17 @@ import logging
 import os
 from typing import Any, Optional
 
+from pipeline.logs import ray_runtime_env
+
 log = logging.getLogger(__name__)
 
 _started_locally = False
 
 
 def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> None:
-    """metrics_export_port: where a local Ray serves its Prometheus metrics (a cluster has its own)."""
+    """Connect to the cluster in cluster.address or RAY_ADDRESS, else start a local Ray; either way the job's
+    workers get pipeline.logs' quiet settings. metrics_export_port: where a local Ray serves its Prometheus
+    metrics (a cluster has its own). Returns None; raises what ray.init raises."""
     global _started_locally
     import ray
 
@@ -22,12 +26,29 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=True)
+        _connect(address)
         return
     log.info("starting a local Ray")
+    # One node that nothing drains: Ray Train's preemption watcher has nothing to watch, and creating it logs a
+    # core_worker ERROR about actor restarts (ray-project/ray#53727).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-    ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True, **extra)
+    ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
+             runtime_env=ray_runtime_env(), **extra)
     _started_locally = True
+
+
+def _connect(address: str) -> None:
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=True, runtime_env=ray_runtime_env())
+    except ValueError as error:
+        if "runtime env" not in str(error):
+            raise
+        # The submitted job's runtime_env already sets one of these keys: the job's own settings win.
+        log.warning("keeping the submitted job's runtime_env as it is (%s)", error)
+        ray.init(address=address, log_to_driver=True)
 
 
 def shutdown_if_started_here() -> None:
