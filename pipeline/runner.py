@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,6 +14,8 @@ from pipeline.cluster import shutdown_if_started_here
 from pipeline.config import validate
 from pipeline.context import Context
 from pipeline.errors import PipelineError
+from pipeline.logs import setup_job_logging
+from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
 
 log = logging.getLogger(__name__)
 
@@ -133,16 +136,52 @@ STAGES: dict[str, Callable[[Context, dict, str], Any]] = {
 
 
 def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
+    """Run `stages` in order under one parent run, each in its child run; log one line as each stage ends, each
+    stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
+    also when a stage fails. Returns each stage's result by name (and the parent run's id); raises PipelineError
+    for bad input, and whatever a stage raises."""
     validate(cfg)
     ctx = Context.create(cfg)
     results: dict[str, Any] = {}
+    times = StageTimes()
     with ctx.tracker.parent_run(job) as parent_run_id:
         results["_parent_run_id"] = parent_run_id
-        for stage in stages:
-            log.info("stage %s", stage)
-            with ctx.tracker.child_run(stage) as run_id:
-                results[stage] = STAGES[stage](ctx, results, run_id)
+        completed = False
+        try:
+            for stage in stages:
+                _run_stage(ctx, stage, results, times)
+            completed = True
+        finally:
+            log.info("%s", times.table(job))
+            _log_times(ctx, {TOTAL_METRIC: times.total}, strict=completed)
     return results
+
+
+def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> None:
+    log.info("stage %s", stage)
+    start = time.perf_counter()
+    try:
+        with ctx.tracker.child_run(stage) as run_id:
+            results[stage] = STAGES[stage](ctx, results, run_id)
+    except BaseException:
+        seconds = times.add(stage, time.perf_counter() - start, failed=True)
+        log.error("stage %s failed after %.1f s", stage, seconds)
+        _log_times(ctx, {stage_metric(stage): seconds}, strict=False)
+        raise
+    seconds = times.add(stage, time.perf_counter() - start)
+    log.info("stage %s done in %.1f s", stage, seconds)
+    _log_times(ctx, {stage_metric(stage): seconds}, strict=True)
+
+
+def _log_times(ctx: Context, metrics: dict, strict: bool) -> None:
+    """Log to the active run, the parent once a child run has closed. Not strict (a stage's error is on its way
+    out): a failure to log is a warning, so that it does not take the place of that error."""
+    try:
+        ctx.log_metrics(metrics)
+    except Exception as error:
+        if strict:
+            raise
+        log.warning("could not log %s to MLflow: %s", ", ".join(metrics), error)
 
 
 def run_guarded(action: Callable[[], Any]) -> int:
@@ -159,5 +198,7 @@ def run_guarded(action: Callable[[], Any]) -> int:
 
 
 def run_job(cfg: DictConfig, job: str) -> int:
+    """Run a job's stages (the config's `stages` for `pipeline`) with run_guarded. Returns the exit code."""
+    setup_job_logging()
     stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
     return run_guarded(lambda: run_stages(cfg, job, stages))

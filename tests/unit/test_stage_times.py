@@ -1,0 +1,104 @@
+"""The per-stage timing table printed at the end of a job, and the seconds logged to the job's parent MLflow run
+(a real SQLite store): one line per stage as it ends, and the table also when a stage fails, naming it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlflow
+import pytest
+
+from pipeline import runner
+from pipeline.config import compose
+from pipeline.errors import PipelineError
+from pipeline.timings import StageTimes
+from pipeline.tracking import tracking_uri
+
+
+def test_the_table_has_a_row_per_stage_with_its_share_and_the_total():
+    times = StageTimes()
+    times.add("prompts", 1.0)
+    times.add("regenerate", 30.0)
+    times.add("train", 69.0)
+    lines = times.table("pipeline").splitlines()
+    assert lines[0] == "pipeline: stage times"
+    assert lines[1].split() == ["stage", "seconds", "share"]
+    assert [line.split() for line in lines[2:]] == [["prompts", "1.0", "1.0%"], ["regenerate", "30.0", "30.0%"],
+                                                    ["train", "69.0", "69.0%"], ["total", "100.0", "100.0%"]]
+    assert len({len(line) for line in lines[1:]}) == 1  # the columns line up
+    assert times.total == 100.0 and times.failed_stage is None
+
+
+def test_the_table_names_the_failed_stage():
+    times = StageTimes()
+    times.add("evaluate", 3.0)
+    times.add("export", 1.0, failed=True)
+    lines = times.table("evaluate").splitlines()
+    assert lines[0] == "evaluate: stage times (export failed)"
+    assert lines[3].split() == ["export", "1.0", "25.0%", "failed"]
+    assert lines[-1].split() == ["total", "4.0", "100.0%"]
+
+
+def test_an_empty_job_has_a_zero_total():
+    assert StageTimes().table("train").splitlines()[-1].split() == ["total", "0.0", "0.0%"]
+
+
+def sleeper(seconds: float):
+    def stage(ctx, results, run_id):
+        time.sleep(seconds)
+        return run_id
+    return stage
+
+
+def failing(ctx, results, run_id):
+    raise PipelineError("export: no trained drafter")
+
+
+def runs(cfg) -> tuple:
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    found = client.search_runs([experiment.experiment_id])
+    parent = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in found if "mlflow.parentRunId" in r.data.tags]
+    assert len(parent) == 1
+    return parent[0], children
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One SQLite store for the module (creating one takes seconds); each test logs to its own experiment."""
+    return tmp_path_factory.mktemp("stage-times")
+
+
+def test_each_stage_time_is_a_metric_of_the_parent_run(store, monkeypatch, caplog):
+    monkeypatch.setitem(runner.STAGES, "prompts", sleeper(0.05))
+    monkeypatch.setitem(runner.STAGES, "train", sleeper(0.15))
+    cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-completed"])
+    with caplog.at_level(logging.INFO, logger="pipeline.runner"):
+        runner.run_stages(cfg, "pipeline", ["prompts", "train"])
+    parent, children = runs(cfg)
+    metrics = parent.data.metrics
+    assert set(metrics) >= {"time.prompts_s", "time.train_s", "time.total_s"}
+    assert 0.05 <= metrics["time.prompts_s"] < metrics["time.train_s"]
+    assert metrics["time.total_s"] == pytest.approx(metrics["time.prompts_s"] + metrics["time.train_s"])
+    assert not any(key.startswith("time.") for child in children for key in child.data.metrics)
+    assert "stage prompts done in" in caplog.text and "stage train done in" in caplog.text
+    assert "pipeline: stage times\n" in caplog.text and "total" in caplog.text
+
+
+def test_a_failed_stage_still_gets_its_time_and_the_table(store, monkeypatch, caplog):
+    monkeypatch.setitem(runner.STAGES, "evaluate", sleeper(0.01))
+    monkeypatch.setitem(runner.STAGES, "export", failing)
+    monkeypatch.setitem(runner.STAGES, "promote", sleeper(0.01))
+    cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-failed"])
+    with caplog.at_level(logging.INFO, logger="pipeline.runner"), pytest.raises(PipelineError):
+        runner.run_stages(cfg, "evaluate", ["evaluate", "export", "promote"])
+    parent, _ = runs(cfg)
+    assert parent.info.status == "FAILED"
+    assert set(parent.data.metrics) >= {"time.evaluate_s", "time.export_s", "time.total_s"}
+    assert "time.promote_s" not in parent.data.metrics  # it never ran
+    assert "stage export failed after" in caplog.text
+    table = caplog.text[caplog.text.index("evaluate: stage times (export failed)"):]
+    assert "failed" in next(line for line in table.splitlines() if line.startswith("export"))
+    assert "promote" not in table
