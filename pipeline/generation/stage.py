@@ -64,9 +64,9 @@ def _stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: 
 
 
 def _progress(total: int, description: str):
-    from tqdm import tqdm
+    from pipeline.logs import progress_bar
 
-    return tqdm(total=total, desc=description, unit="sample", mininterval=2)
+    return progress_bar(total, description, unit="sample")
 
 
 def _vllm_options(gen_cfg: Any) -> dict:

