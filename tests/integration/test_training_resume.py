@@ -158,6 +158,7 @@ def test_two_workers_continue_on_one_from_a_zero_checkpoint(store, tiny_verifier
         assert losses[step] == pytest.approx(expected[step], rel=0.05), step
 
 
+@pytest.mark.slow  # it needs the reference run (a training job, ~2.5 min) that the slow tests here share
 def test_a_checkpoint_of_another_drafter_is_refused_before_training(store, tiny_verifier_path, reference):
     reference_cfg, _ = reference
     final = StagePaths(reference_cfg).final_checkpoint
