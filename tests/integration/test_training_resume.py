@@ -94,8 +94,9 @@ def with_store(store, tiny_verifier_path, name: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def reference(store, tiny_verifier_path):
-    cfg, overrides = with_store(store, tiny_verifier_path, "reference")
-    finish(start_train(overrides))
+    """The uninterrupted run the others are compared with (in this process: its loss curve is the same)."""
+    cfg, _ = with_store(store, tiny_verifier_path, "reference")
+    run_stages(cfg, "train", ["train"])
     return cfg, losses_by_step(cfg)
 
 
@@ -158,7 +159,7 @@ def test_two_workers_continue_on_one_from_a_zero_checkpoint(store, tiny_verifier
         assert losses[step] == pytest.approx(expected[step], rel=0.05), step
 
 
-@pytest.mark.slow  # it needs the reference run (a training job, ~2.5 min) that the slow tests here share
+@pytest.mark.slow  # it needs the reference run (a training job) that the slow tests here share
 def test_a_checkpoint_of_another_drafter_is_refused_before_training(store, tiny_verifier_path, reference):
     reference_cfg, _ = reference
     final = StagePaths(reference_cfg).final_checkpoint
@@ -178,24 +179,37 @@ def loss_curve(store, verifier: str, name: str, *extra: str) -> dict[int, float]
     return losses_by_step(cfg)
 
 
+PACKING = ["training.max_tokens_per_micro_batch=200"]
+
+
 @pytest.fixture(scope="module")
 def single_worker_curve(store, tiny_verifier_path) -> dict[int, float]:
     return loss_curve(store, tiny_verifier_path, "single", "deepspeed=none", "training.num_workers=1",
-                      "training.grad_accum_steps=2")
+                      "training.grad_accum_steps=2", *PACKING)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["zero2", "zero3", "zero3_offload"])
 def test_zero_on_two_workers_follows_the_single_worker_loss_curve(store, tiny_verifier_path, single_worker_curve,
                                                                    zero):
-    """The same global batch of 2 (1 worker accumulating 2 micro-batches vs 2 workers of 1): the same gradients
-    up to summation order, so the same loss at every step."""
+    """The same global batch (1 worker accumulating 2 packed micro-batches vs 2 workers of 1 packed micro-batch):
+    the same samples at every step, so the same gradients up to summation order and the same loss at every step.
+    Packing to a token budget is part of the global order, so every ZeRO stage runs packed."""
     single = single_worker_curve
-    sharded = loss_curve(store, tiny_verifier_path, zero, f"deepspeed={zero}", "training.num_workers=2")
+    cfg, _ = with_store(store, tiny_verifier_path, zero, *DETERMINISTIC, f"deepspeed={zero}",
+                        "training.num_workers=2", *PACKING)
+    run_stages(cfg, "train", ["train"])
+    sharded = losses_by_step(cfg)
     assert sorted(single) == sorted(sharded) == list(range(1, 7))
     assert single[6] < single[1]  # it trained
     for step in single:
         assert sharded[step] == pytest.approx(single[step], rel=1e-3, abs=1e-4), (step, sharded, single)
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    [run] = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'")
+    assert run.data.metrics["train.sequences_per_micro_batch"] > 1.5  # the budget really packed several
+    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
+    assert state["token_budget"] == 200
 
 
 @pytest.mark.slow
@@ -216,25 +230,3 @@ def test_the_final_checkpoint_is_the_best_validated_one(store, tiny_verifier_pat
     assert logged == {"checkpoints/step-2", "checkpoints/step-4", "checkpoints/step-6"}  # every checkpoint
     assert {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, "checkpoints/step-4")} == {
         "spec.json", "drafter.safetensors", "train_state.json"}
-
-
-@pytest.mark.slow
-def test_packed_micro_batches_follow_the_same_loss_curve_on_one_or_two_workers(store, tiny_verifier_path):
-    """Packing to a token budget is part of the global order: 1 worker accumulating 2 packed micro-batches and
-    2 ZeRO-2 workers of 1 train on the same samples at every step."""
-    packing = ["training.max_tokens_per_micro_batch=200"]
-    single = loss_curve(store, tiny_verifier_path, "packed-single", "deepspeed=none", "training.num_workers=1",
-                        "training.grad_accum_steps=2", *packing)
-    cfg, _ = with_store(store, tiny_verifier_path, "packed-zero2", *DETERMINISTIC, "deepspeed=zero2",
-                        "training.num_workers=2", *packing)
-    run_stages(cfg, "train", ["train"])
-    sharded = losses_by_step(cfg)
-    assert sorted(single) == sorted(sharded) == list(range(1, 7)) and single[6] < single[1]
-    for step in single:
-        assert sharded[step] == pytest.approx(single[step], rel=1e-3, abs=1e-4), (step, sharded, single)
-    client = mlflow.MlflowClient(tracking_uri(cfg))
-    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
-    [run] = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'")
-    assert run.data.metrics["train.sequences_per_micro_batch"] > 1.5  # the budget really packed several
-    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
-    assert state["token_budget"] == 200
