@@ -243,6 +243,8 @@ class EvaluationConfig:
     # Speculation profile: tau and measured draft / verify cost for K = 1..num_speculative_tokens on this many
     # prompts, decoded one at a time (0 = no profile).
     profile_prompts: int = 4
+    # New tokens per profile decode (null = max_new_tokens): the profile measures cost per step, which needs fewer.
+    profile_max_new_tokens: Optional[int] = None
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
     gate: GateConfig = field(default_factory=GateConfig)
 

@@ -102,6 +102,8 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(evaluation.batch_size >= 1, "evaluation.batch_size: must be >= 1")
     _require(evaluation.prompts_per_set >= 1, "evaluation.prompts_per_set: must be >= 1")
     _require(evaluation.profile_prompts >= 0, "evaluation.profile_prompts: must be >= 0 (0 = no profile)")
+    _require(evaluation.profile_max_new_tokens is None or evaluation.profile_max_new_tokens >= 1,
+             "evaluation.profile_max_new_tokens: must be >= 1, or null for evaluation.max_new_tokens")
     _require(len(evaluation.datasets) >= 1, "evaluation.datasets: name at least one eval set (held_out)")
     for name in evaluation.datasets:
         _require(name == "held_out" or name in evaluation.sets,

@@ -18,7 +18,8 @@ def _set_rows(report: dict) -> list[str]:
 
 
 def _profile_rows(profile: dict) -> list[str]:
-    lines = [f"Speculation profile ({profile['num_prompts']} prompts one at a time; plain decoding "
+    tokens = f" of {profile['max_new_tokens']} new tokens" if profile.get("max_new_tokens") else ""
+    lines = [f"Speculation profile ({profile['num_prompts']} prompts{tokens} one at a time; plain decoding "
              f"{profile['plain_ms_per_token']:.1f} ms/token). Recommended K = **{profile['recommended_k']}**.", "",
              "| K | τ | draft ms/step | verify ms/step | predicted speedup | measured speedup |",
              "|---|---|---|---|---|---|"]

@@ -94,10 +94,13 @@ def _profile(verifier, tokenizer, drafter, conversations: list[list[dict]], eval
     if eval_cfg.profile_prompts == 0:
         return None
     prompts = [prompt_ids(tokenizer, m) for m in conversations[: eval_cfg.profile_prompts]]
-    log.info("evaluate: speculation profile, K = 1..%d on %d prompts", eval_cfg.num_speculative_tokens, len(prompts))
-    return speculation_profile(
+    max_new_tokens = eval_cfg.profile_max_new_tokens or eval_cfg.max_new_tokens
+    log.info("evaluate: speculation profile, K = 1..%d on %d prompts of %d new tokens",
+             eval_cfg.num_speculative_tokens, len(prompts), max_new_tokens)
+    profile = speculation_profile(
         lambda k: SpeculativeDecoder(verifier, drafter, k, eval_cfg.temperature, eval_cfg.seed),
-        prompts, eval_cfg.max_new_tokens, tokenizer.eos_token_id, eval_cfg.num_speculative_tokens)
+        prompts, max_new_tokens, tokenizer.eos_token_id, eval_cfg.num_speculative_tokens)
+    return {**profile, "max_new_tokens": max_new_tokens}
 
 
 def _metrics(report: dict) -> dict[str, float]:

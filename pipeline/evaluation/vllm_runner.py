@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.generation.vllm_backend import use_all_cores_on_a_small_cpu
+from pipeline.generation.vllm_backend import in_process_engine_on_cpu, use_all_cores_on_a_small_cpu
 
 
 def speculative_method(algorithm: str) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculati
     # fails on a shared 24 GiB machine.
     llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype=args.dtype,
               max_model_len=args.max_model_len, seed=args.seed, gpu_memory_utilization=args.memory_fraction,
-              enforce_eager=True)
+              enforce_eager=True, **in_process_engine_on_cpu())
     params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
               for index in range(len(prompts))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

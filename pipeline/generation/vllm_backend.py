@@ -52,6 +52,36 @@ def use_all_cores_on_a_small_cpu() -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def in_process_engine_on_cpu(tensor_parallel_size: int = 1) -> dict:
+    """Engine options that keep a single-worker CPU engine in the calling process.
+
+    By default vLLM starts its engine core and its worker as two more processes, each importing torch and vLLM
+    again: on 2 cores that is about 48 s of a 58 s engine start, against 10 s in-process (measured with SmolLM2,
+    vLLM-cpu 0.32). On CPU the overlap those processes buy is lost anyway, so there the engine runs in-process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"). On a GPU, or with tensor parallelism, this returns {}
+    and vLLM's defaults stay. Set VLLM_ENABLE_V1_MULTIPROCESSING yourself to choose otherwise. Not for the
+    hidden-state capturing engine (`_engine_in_its_own_process` says why)."""
+    import torch.cuda
+
+    if torch.cuda.is_available() or tensor_parallel_size > 1:
+        return {}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return {"distributed_executor_backend": "uni"}
+
+
+def _engine_in_its_own_process() -> None:
+    """The hidden-states connector writes each request's states asynchronously under a file lock that the engine
+    releases on a later step: an engine in the reader's own process never takes that step, and the reader waits
+    forever. So the capturing engine always runs as its own process. Raises RuntimeError where this process has
+    already fixed vLLM's settings to in-process (vLLM caches its environment once an engine starts)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    import vllm.envs
+
+    if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        raise RuntimeError("vLLM hidden-state capture needs its engine in its own process, but an in-process vLLM "
+                           "engine already ran in this process: capture from a fresh process")
+
+
 class VllmVerifier:
     def __init__(self, verifier_path: str, compute_dtype: str, max_model_len: int, gpu_memory_utilization: float,
                  tensor_parallel_size: int = 1, kv_cache_gb: float | None = None):
@@ -82,7 +112,8 @@ class VllmVerifier:
         from vllm.inputs import TokensPrompt
 
         if self._generator is None:
-            self._generator = LLM(model=self.path, **self.engine_options)
+            in_process = in_process_engine_on_cpu(self.engine_options.get("tensor_parallel_size", 1))
+            self._generator = LLM(model=self.path, **self.engine_options, **in_process)
         eos = self.tokenizer.eos_token_id
         params = [SamplingParams(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed + index)
                   for index, budget in enumerate(budgets)]
@@ -100,6 +131,7 @@ class VllmVerifier:
         from vllm import LLM
 
         if self._capturer is None:
+            _engine_in_its_own_process()
             self._capture_layers = list(layer_ids)
             self._capturer = LLM(
                 model=self.path, enable_prefix_caching=False, **self.engine_options,

@@ -80,6 +80,7 @@ def test_wrong_type_is_refused_naming_the_field():
     ("deepspeed.offload_params=true", "deepspeed.offload_params"),
     ("training.max_tokens_per_micro_batch=-8", "training.max_tokens_per_micro_batch"),
     ("evaluation.temperature=-1", "evaluation.temperature"),
+    ("evaluation.profile_max_new_tokens=0", "evaluation.profile_max_new_tokens"),
 ])
 def test_semantic_validation_names_the_field(override, field):
     with pytest.raises(PipelineError, match=field.replace(".", r"\.")):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -124,3 +126,21 @@ def test_verify_refuses_a_manifest_listing_a_sample_twice(tmp_path):
     write_manifest(tmp_path, [first, second], {"layer_ids": layers})
     with pytest.raises(PipelineError, match="sample b is in both"):
         verify_store(tmp_path)
+
+
+def test_a_single_worker_cpu_engine_runs_in_process_and_a_gpu_or_tensor_parallel_one_keeps_vllms_defaults(
+        monkeypatch):
+    from pipeline.generation import vllm_backend
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "unset")  # recorded, so the test leaves the variable as it was
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_backend.in_process_engine_on_cpu(2) == {}
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    assert vllm_backend.in_process_engine_on_cpu(1) == {"distributed_executor_backend": "uni"}
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a user's own choice stays
+    vllm_backend.in_process_engine_on_cpu(1)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_backend.in_process_engine_on_cpu(1) == {}
