@@ -62,7 +62,8 @@ def measured(root: Path) -> dict:
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("speculators")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
-    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][-1]
+    # the first job on the root is the cold one (a later rerun of the same command reuses every stage)
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][0]
     stages = {}
     for run in runs:
         if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id:

@@ -1,7 +1,7 @@
 """Stage vllm_eval: the exported checkpoint in vLLM on the reference decoder's prompts and sampling settings.
 
 vLLM's own spec-decode counters give the served tau; the gap to the reference tau is what the promotion gate
-checks. vLLM forks engine processes, so it runs as a child program (`pipeline.evaluation.vllm_runner`). The result
+checks. vLLM runs as a child program (`pipeline.evaluation.vllm_runner`, whose docstring says why). The result
 is content-addressed with the evaluation (same checkpoint, same settings), so a rerun reuses it.
 """
 

