@@ -232,14 +232,15 @@ def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Te
     return metrics
 
 
-def _report(metrics: dict, engine: Engine, state: dict, with_checkpoint: bool, sink: MetricsSink) -> None:
-    """Every rank reports; with a checkpoint, every rank adds its own DeepSpeed files and rank 0 the drafter's
-    spec, weights and train state. Ray Train gathers all ranks' files into one checkpoint folder."""
+def _report_checkpoint(metrics: dict, engine: Engine, state: dict, sink: MetricsSink) -> None:
+    """Every rank reports the checkpoint: each adds its own DeepSpeed files and rank 0 the drafter's spec, weights
+    and train state; Ray Train gathers all ranks' files into one checkpoint folder and ranks it by `metrics`.
+
+    Steps without a checkpoint report nothing to Ray Train (MetricsSink already logged their metrics): Ray Train 2
+    holds one unconsumed report per worker and its controller takes one per poll (every 2 s by default), so a
+    report per step would cap training at one step per poll."""
     import ray.train
 
-    if not with_checkpoint:
-        ray.train.report(metrics)
-        return
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_state(Path(tmp))
         with engine.full_weights():
@@ -326,7 +327,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
         progress.update(1)
         if not logs:
             continue
-        # Every rank reaches this on the same steps: the reductions and ray.train.report stay in lockstep.
+        # Every rank reaches this on the same steps: the reductions and checkpoint reports stay in lockstep.
         metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens, sequences, window_steps,
                                 time.time() - window_start, engine.lr())
         epoch = order.epoch(step - 1)
@@ -341,7 +342,8 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
                  "deepspeed": engine.uses_deepspeed, "token_budget": order.token_budget,
                  "val_samples": training["val_samples"]}
-        _report({**metrics, "step": step}, engine, state, with_checkpoint, sink)
+        if with_checkpoint:
+            _report_checkpoint({**metrics, "step": step}, engine, state, sink)
         loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
         sequences, window_start = 0, time.time()
     progress.close()

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import mlflow
 import pytest
 
-from tests.conftest import run_job
+from tests.e2e.conftest import run_pipeline
 
-REPO = Path(__file__).resolve().parents[2]
 STAGES = {"prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote"}
-
-
-def run_pipeline(root: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    result = run_job([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides], timeout, cwd=REPO,
-                     env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
 
 
 def tracking(root: Path):
@@ -50,14 +38,6 @@ def check_outputs(root: Path, min_first_position_acceptance: float) -> dict:
     versions = client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'")
     assert versions and versions[0].run_id == children["export"].info.run_id
     return {"client": client, "runs": runs, "parents": parents, "children": children, "report": report}
-
-
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Path:
-    """The README's first command, on a temporary output root (see the README for its time on 2 CPU cores)."""
-    root = tmp_path_factory.mktemp("default")
-    run_pipeline(root, timeout=2700)
-    return root
 
 
 def evaluation_of(root: Path, drafter: str) -> tuple[dict, dict]:

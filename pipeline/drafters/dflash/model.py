@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
 from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
@@ -22,6 +21,14 @@ from pipeline.losses.distill import distill_rows, on_model_device, pad_stack
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act",
               "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def qwen3():
+    """transformers' Qwen3 modeling module, imported on first use: importing it costs seconds that every training
+    worker would pay for any drafter."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    return modeling_qwen3
 
 
 class DFlashAttention(nn.Module):
@@ -36,8 +43,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = qwen3.Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = qwen3.Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = qwen3().Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = qwen3().Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
         return x.view(*x.shape[:2], count, self.head_dim)
@@ -50,8 +57,8 @@ class DFlashAttention(nn.Module):
         keys_in = torch.cat([context, block], dim=1)
         k = self.k_norm(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
-        q, _ = qwen3.apply_rotary_pos_emb(q, q, cos[:, -slots:], sin[:, -slots:])
-        k, _ = qwen3.apply_rotary_pos_emb(k, k, cos, sin)
+        q, _ = qwen3().apply_rotary_pos_emb(q, q, cos[:, -slots:], sin[:, -slots:])
+        k, _ = qwen3().apply_rotary_pos_emb(k, k, cos, sin)
         repeat = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nH, S, hd]
@@ -62,9 +69,9 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.self_attn = DFlashAttention(config)
-        self.mlp = qwen3.Qwen3MLP(config)
-        self.input_layernorm = qwen3.Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = qwen3.Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = qwen3().Qwen3MLP(config)
+        self.input_layernorm = qwen3().Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = qwen3().Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, context, rotary, mask):
         x = x + self.self_attn(self.input_layernorm(x), context, rotary, mask)
@@ -85,10 +92,10 @@ class DFlashDrafter(DrafterBase):
         self.first_draft_slot = 0 if self.sample_from_anchor else 1  # DFlash's slot 0 is the known anchor
         self.causal_block = bool(spec.extra.get("causal_block", False))
         self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = qwen3.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = qwen3().Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(spec.num_layers))
-        self.norm = qwen3.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.rotary_emb = qwen3.Qwen3RotaryEmbedding(config)
+        self.norm = qwen3().Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = qwen3().Qwen3RotaryEmbedding(config)
         self.init_linear_weights(init_std)
 
     @staticmethod

@@ -1,0 +1,34 @@
+"""The default run, shared by every end-to-end test that reads its outputs: the README's first command runs once
+per test session (see the README for its time on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_job
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_pipeline(root: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
+    """`python jobs/pipeline.py paths.root=<root> <overrides>` as a user runs it, with a local Ray and MLflow store
+    whatever the environment names; fails the test with the job's stderr tail on a non-zero exit."""
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    result = run_job([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides], timeout, cwd=REPO,
+                     env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> Path:
+    """The output root of `python jobs/pipeline.py` with no arguments. Tests that run more jobs on it add their own
+    keys (another drafter) or only reuse; the rerun test in test_pipeline_job.py checks nothing is recomputed."""
+    root = tmp_path_factory.mktemp("default")
+    run_pipeline(root, timeout=2700)
+    return root
