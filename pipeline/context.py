@@ -30,6 +30,14 @@ class Context:
 
         return resolve_verifier_path(self.cfg.verifier)
 
+    def prompt_writer(self):
+        """The verifier as the writer of the `synthetic` and `general` prompt sources (PromptWriter)."""
+        from pipeline.data.synthesize import PromptWriter
+
+        return PromptWriter(path=self.verifier_path, identity=self.paths.verifier_identity,
+                            compute_dtype=self.cfg.verifier.compute_dtype,
+                            cache_root=self.paths.root / "synthetic", cluster=self.cfg.cluster)
+
     def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
         if self.tracker:
             self.tracker.log_metrics(metrics, step=step)

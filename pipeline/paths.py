@@ -9,6 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
+
 
 def _plain(value: Any) -> Any:
     if isinstance(value, DictConfig) or OmegaConf.is_config(value):
@@ -21,14 +23,26 @@ def content_key(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _used_data_settings(data_cfg: Any) -> dict:
+    """cfg.data without the synthetic settings of a source that does not read them (they change no prompt)."""
+    data = _plain(data_cfg)
+    if data.get("source") not in WRITTEN_BY_THE_VERIFIER:
+        data.pop("synthetic", None)
+    return data
+
+
 class StagePaths:
     """Where each stage of a config writes. Keys chain: a stage's key includes the keys of what it reads."""
 
     def __init__(self, cfg: DictConfig):
         self.root = Path(cfg.paths.root).expanduser().resolve()
         verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
-        # split-v2: the held-out prompts are taken before the train prompts (a folder of the old split is not reused)
-        self.prompts_key = content_key(cfg.data, "split-v2")
+        self.verifier_identity = verifier
+        # split-v2: the held-out prompts are taken before the train prompts (a folder of the old split is not reused).
+        # Prompts the verifier writes itself depend on the verifier too.
+        data = _used_data_settings(cfg.data)
+        writer = [verifier, cfg.verifier.compute_dtype] if cfg.data.source in WRITTEN_BY_THE_VERIFIER else []
+        self.prompts_key = content_key(data, "split-v2", *writer)
         gen = cfg.generation
         regeneration = {k: gen[k] for k in ("backend", "responses", "temperature", "top_p", "seed",
                                              "max_new_tokens", "max_length", "overlength")}
@@ -40,7 +54,10 @@ class StagePaths:
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
         # gate's thresholds decide on a report without changing it, so they stay out of the key.
         measured = {k: v for k, v in _plain(cfg.evaluation).items() if k != "gate"}
-        self.evaluation_key = content_key(self.train_key, measured, cfg.data)
+        # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
+        measured["sets"] = {name: measured["sets"][name] for name in cfg.evaluation.datasets
+                            if name in measured["sets"]}
+        self.evaluation_key = content_key(self.train_key, measured, data)
 
     @property
     def prompts(self) -> Path:

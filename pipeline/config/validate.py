@@ -8,12 +8,15 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.config import schema as schema_module
+from pipeline.data.prompts import OFFLINE_SOURCES
+from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_config
 from pipeline.errors import PipelineError
 
 KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
-KNOWN_SOURCES = ("humaneval", "jsonl", "parquet", "hub")
+KNOWN_SOURCES = (*OFFLINE_SOURCES, "jsonl", "parquet", "hub")
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("hf", "vllm")
+SELECTION_METRICS = ("val.proxy_tau", "val.tau")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -41,9 +44,11 @@ def validate(cfg: DictConfig) -> None:
 
     _require(cfg.data.source in KNOWN_SOURCES, f"data.source: '{cfg.data.source}' is not one of {KNOWN_SOURCES}")
     _require(
-        cfg.data.source == "humaneval" or bool(cfg.data.path),
+        cfg.data.source in OFFLINE_SOURCES or bool(cfg.data.path),
         f"data.path: required when data.source is '{cfg.data.source}'",
     )
+    if cfg.data.source in WRITTEN_BY_THE_VERIFIER:
+        check_synthetic_config(cfg.data.synthetic, "data.synthetic")
     _require(cfg.data.num_train > 0, "data.num_train: must be > 0")
     _require(cfg.data.num_eval >= 1, "data.num_eval: must be >= 1 (the held-out prompts the evaluation uses)")
     gen = cfg.generation
@@ -79,6 +84,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
+    _validate_val_tau(cfg.training)
     _require(cfg.training.max_tokens_per_micro_batch >= 0,
              "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
     _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
@@ -111,10 +117,23 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
         if name != "held_out":
             from pipeline.evaluation.eval_sets import set_config
 
-            set_config(name, evaluation)  # unknown or mistyped fields fail here, before any stage runs
+            definition = set_config(name, evaluation)  # unknown or mistyped fields fail here, before any stage runs
+            if definition.source in WRITTEN_BY_THE_VERIFIER:
+                check_synthetic_config(definition.synthetic, f"evaluation.sets.{name}.synthetic")
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
+
+
+def _validate_val_tau(training: DictConfig) -> None:
+    _require(0 <= training.val_tau_samples <= training.val_samples,
+             f"training.val_tau_samples: must be in 0..training.val_samples ({training.val_samples}): val.tau "
+             "decodes the prompts of held-out samples")
+    _require(training.val_tau_max_new_tokens >= 1, "training.val_tau_max_new_tokens: must be >= 1")
+    _require(training.select_best_by in SELECTION_METRICS,
+             f"training.select_best_by: '{training.select_best_by}' is not one of {SELECTION_METRICS}")
+    _require(training.select_best_by != "val.tau" or training.val_tau_samples > 0,
+             "training.select_best_by: val.tau needs training.val_tau_samples > 0")
 
 
 def _validate_generation_parallelism(gen: DictConfig) -> None:

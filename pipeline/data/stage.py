@@ -7,7 +7,7 @@ import logging
 import datasets
 
 from pipeline.context import Context, save_dataset_atomic
-from pipeline.data.prompts import load_prompts, split_prompts
+from pipeline.data.prompts import WRITTEN_BY_THE_VERIFIER, load_prompts, split_prompts
 
 log = logging.getLogger(__name__)
 
@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
     folder = ctx.paths.prompts
     if not (folder / "train").is_dir() or not (folder / "held_out").is_dir():
-        train, held_out = split_prompts(load_prompts(ctx.cfg.data), ctx.cfg.data)
+        writer = ctx.prompt_writer() if ctx.cfg.data.source in WRITTEN_BY_THE_VERIFIER else None
+        train, held_out = split_prompts(load_prompts(ctx.cfg.data, writer), ctx.cfg.data)
         save_dataset_atomic(train, folder / "train")
         save_dataset_atomic(held_out, folder / "held_out")
     train = datasets.load_from_disk(str(folder / "train"))

@@ -18,11 +18,13 @@ log = logging.getLogger(__name__)
 HELD_OUT = "held_out"
 
 
-def eval_sets(eval_cfg: Any, held_out, train_ids: set[str]) -> dict[str, list[list[dict]]]:
-    """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them."""
+def eval_sets(eval_cfg: Any, held_out, train_ids: set[str], writer=None) -> dict[str, list[list[dict]]]:
+    """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them.
+
+    writer: the verifier's PromptWriter, for sets of the verifier's own prompts (code, math, chat)."""
     sets: dict[str, list[list[dict]]] = {}
     for name in eval_cfg.datasets:
-        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, train_ids)
+        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, train_ids, writer)
         sets[name] = [prompt_messages(row["messages"]) for row in rows]
         if not sets[name]:
             raise PipelineError(f"evaluation.datasets: the eval set '{name}' has no prompts")
@@ -40,10 +42,10 @@ def set_config(name: str, eval_cfg: Any) -> Any:
         raise PipelineError(f"evaluation.sets.{name}: {str(error).splitlines()[0]}") from error
 
 
-def _named_set(name: str, eval_cfg: Any, train_ids: set[str]) -> list[dict]:
+def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[dict]:
     definition = set_config(name, eval_cfg)
     try:
-        prompts = load_prompts(definition)
+        prompts = load_prompts(definition, writer)
     except PipelineError as error:
         raise PipelineError(f"evaluation.sets.{name}: {error}") from error
     except Exception as error:  # the hub raises connection errors of many types when offline

@@ -16,14 +16,13 @@ from pipeline.data.chat import prompt_ids
 from pipeline.errors import PipelineError
 from pipeline.evaluation.eval_sets import eval_sets
 from pipeline.evaluation.gate import evaluation_signature
+from pipeline.evaluation.measured_drafter import decoding_drafter
 from pipeline.evaluation.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches
 from pipeline.evaluation.report import write_report
-from pipeline.export.speculators_format import round_to_export_dtype
 from pipeline.fsutil import atomic_write_text
 from pipeline.generation.verifier import load_verifier
-from pipeline.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +83,7 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
 
 
 def _load_drafter(ctx: Context, checkpoint: Path):
-    drafter = round_to_export_dtype(load_checkpoint(checkpoint)[0])  # measure exactly what vLLM will load
-    if hasattr(drafter, "confidence_threshold"):  # DSpark: the block truncation is a decoding setting
-        drafter.confidence_threshold = float(ctx.cfg.evaluation.confidence_threshold)
-    return drafter
+    return decoding_drafter(checkpoint, ctx.cfg.evaluation.confidence_threshold)  # exactly what vLLM will load
 
 
 def _profile(verifier, tokenizer, drafter, conversations: list[list[dict]], eval_cfg) -> dict | None:
@@ -151,7 +147,7 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
         return finished
     if len(held_out) == 0 and "held_out" in eval_cfg.datasets:
         raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")
-    sets = eval_sets(eval_cfg, held_out, train_ids)
+    sets = eval_sets(eval_cfg, held_out, train_ids, ctx.prompt_writer())
     drafter = _load_drafter(ctx, checkpoint)
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
     drafter.to(verifier.device)

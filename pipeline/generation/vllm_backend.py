@@ -84,12 +84,14 @@ def _engine_in_its_own_process() -> None:
 
 class VllmVerifier:
     def __init__(self, verifier_path: str, compute_dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int = 1, kv_cache_gb: float | None = None):
+                 tensor_parallel_size: int = 1, kv_cache_gb: float | None = None,
+                 engine_options: dict | None = None):
+        """engine_options: further vllm.LLM arguments (e.g. max_num_batched_tokens), over this class's own."""
         from transformers import AutoTokenizer
 
         self.path, self.dtype = verifier_path, compute_dtype
         self.engine_options = {"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
-                               "dtype": compute_dtype, "seed": 0, "enforce_eager": True}
+                               "dtype": compute_dtype, "seed": 0, "enforce_eager": True, **(engine_options or {})}
         if kv_cache_gb:
             self.engine_options["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)
         use_all_cores_on_a_small_cpu()

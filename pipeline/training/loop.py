@@ -202,7 +202,7 @@ class MetricsSink:
             self.client, self.run_id = mlflow.MlflowClient(tracking_uri), run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is not None:
+        if self.client is not None and metrics:
             log_metric_batch(self.client, self.run_id, metrics, step)
 
     def tag(self, key: str, value: str) -> None:
@@ -232,13 +232,15 @@ def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Te
     return metrics
 
 
-def _report_checkpoint(metrics: dict, engine: Engine, state: dict, sink: MetricsSink) -> None:
-    """Every rank reports the checkpoint: each adds its own DeepSpeed files and rank 0 the drafter's spec, weights
-    and train state; Ray Train gathers all ranks' files into one checkpoint folder and ranks it by `metrics`.
+def _report_checkpoint(metrics: dict, engine: Engine, state: dict, sink: MetricsSink, val_tau: "ValTau") -> dict:
+    """Write the checkpoint, measure val.tau on it when asked, log the step's metrics and report the checkpoint;
+    returns the metrics as reported. Every rank reports: each adds its own DeepSpeed files and rank 0 the drafter's
+    spec, weights and train state; Ray Train gathers all ranks' files into one checkpoint folder and ranks it by
+    `metrics`.
 
-    Steps without a checkpoint report nothing to Ray Train (MetricsSink already logged their metrics): Ray Train 2
-    holds one unconsumed report per worker and its controller takes one per poll (every 2 s by default), so a
-    report per step would cap training at one step per poll."""
+    Steps without a checkpoint report nothing to Ray Train (MetricsSink logs their metrics): Ray Train 2 holds one
+    unconsumed report per worker and its controller takes one per poll (every 2 s by default), so a report per
+    step would cap training at one step per poll."""
     import ray.train
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,8 +248,49 @@ def _report_checkpoint(metrics: dict, engine: Engine, state: dict, sink: Metrics
         with engine.full_weights():
             if dist.is_rank_zero():
                 save_checkpoint(Path(tmp), engine.module, state)
-                sink.checkpoint(Path(tmp), state["step"])
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        metrics = {**metrics, **val_tau.measure(Path(tmp))}
+        sink.log(metrics, state["step"])
+        sink.checkpoint(Path(tmp), state["step"])
+        ray.train.report({**metrics, "step": state["step"]}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    return metrics
+
+
+class ValTau:
+    """val.tau at every checkpoint when training.val_tau_samples > 0 (pipeline/training/val_tau.py): rank 0 decodes,
+    every rank receives the figures (so each reports the same metrics), rank 0 keeps them for proxy_agreement."""
+
+    def __init__(self, config: dict, held_out: list[dict]):
+        settings = config.get("val_tau")
+        self.enabled, self.probe, self.points = bool(settings), None, []
+        if self.enabled and dist.is_rank_zero():
+            from pipeline.training.val_tau import AcceptanceProbe, prompt_of
+
+            prompts = [prompt_of(sample) for sample in held_out[: settings["samples"]]]
+            self.probe = AcceptanceProbe(settings["verifier_path"], settings["compute_dtype"], prompts,
+                                         settings["num_speculative_tokens"], settings["max_new_tokens"],
+                                         settings["batch_size"], settings.get("confidence_threshold"))
+
+    def measure(self, checkpoint: Path) -> dict[str, float]:
+        if not self.enabled:
+            return {}
+        from pipeline.training.val_tau import METRICS
+
+        values = torch.zeros(len(METRICS), dtype=torch.float64)
+        if self.probe is not None:
+            measured = self.probe.measure(checkpoint)
+            values = torch.tensor([measured[name] for name in METRICS], dtype=torch.float64)
+        return dict(zip(METRICS, dist.all_reduce_sum(values).tolist()))
+
+    def remember(self, step: int, metrics: dict) -> None:
+        if self.probe is not None and "val.proxy_tau" in metrics:
+            self.points.append({"step": step, "val.proxy_tau": metrics["val.proxy_tau"],
+                                "val.tau": metrics["val.tau"]})
+
+    def agreement(self) -> dict[str, float]:
+        """How well val.proxy_tau ranked this run's checkpoints (since its last resume), for rank 0's sink."""
+        from pipeline.training.val_tau import proxy_agreement
+
+        return proxy_agreement(self.points) if self.points else {}
 
 
 def _checkpoint_folder(config: dict):
@@ -287,11 +330,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         sink.log({"train.resumed_from_step": point.step, "train.resumed_from_world_size": point.world_size},
                  point.step)
     _train_steps(config, engine, data.stream(order, start, training, dist.rank(), world), order, start, micro, sink,
-                 validation_share(data.held_out, dist.rank(), world) if data.held_out else [])
+                 validation_share(data.held_out, dist.rank(), world) if data.held_out else [],
+                 ValTau(config, data.held_out))
 
 
-def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: int,
-                 micro: int, sink: MetricsSink, held_out_share: list[tuple[dict, bool]]) -> None:
+def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: int, micro: int,
+                 sink: MetricsSink, held_out_share: list[tuple[dict, bool]], val_tau: ValTau) -> None:
     training = config["training"]
     accum, world, rank = training["grad_accum_steps"], dist.world_size(), dist.rank()
     generator = torch.Generator()
@@ -336,17 +380,20 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
         if with_checkpoint and held_out_share:  # every checkpoint carries the score that ranks it
             metrics.update(validate(engine.module, held_out_share, config["drafter"],
                                     torch.autocast(device_type, dtype=autocast) if autocast else None))
-        sink.log(metrics, step)
-        progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
         state = {"step": step, "epoch": epoch, "micro_batches_seen": step * order.global_batch,
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
                  "deepspeed": engine.uses_deepspeed, "token_budget": order.token_budget,
                  "val_samples": training["val_samples"]}
         if with_checkpoint:
-            _report_checkpoint({**metrics, "step": step}, engine, state, sink)
+            metrics = _report_checkpoint(metrics, engine, state, sink, val_tau)
+            val_tau.remember(step, metrics)
+        else:
+            sink.log(metrics, step)
+        progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
         loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
         sequences, window_start = 0, time.time()
     progress.close()
+    sink.log(val_tau.agreement(), training["max_steps"])
 
 
 def _progress(total: int, start: int):

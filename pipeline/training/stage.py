@@ -92,6 +92,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         "deepspeed": OmegaConf.to_container(cfg.deepspeed, resolve=True),
         "tracking_uri": ctx.tracker.uri if ctx.tracker else None,
         "run_id": run_id,
+        "val_tau": _val_tau_settings(ctx),
     }
     resume_from = _resume_from(ctx)
     if resume_from:  # refuse another drafter's checkpoint, or another data order, before starting workers
@@ -103,26 +104,38 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         raise PipelineError(f"train: the Ray Train run failed: {result.error}")
     if result.checkpoint is None:
         raise PipelineError("train: the run finished without reporting a checkpoint")
-    chosen, score = _final_checkpoint(result, validated=cfg.training.val_samples > 0)
+    select_by = cfg.training.select_best_by
+    chosen, score = _final_checkpoint(result, select_by if cfg.training.val_samples > 0 else None)
     with chosen.as_directory() as folder:
         copy_folder_atomic(Path(folder), final)
     state = json.loads((final / STATE_FILE).read_text())
     log.info("train: finished; the final checkpoint is step %s%s: %s", state.get("step"),
-             f" (best val.proxy_tau {score:.4f})" if score is not None else "", final)
+             f" (best {select_by} {score:.4f})" if score is not None else "", final)
     if score is not None:
-        ctx.log_metrics({"train.best_step": state["step"], "train.best_val_proxy_tau": score})
+        ctx.log_metrics({"train.best_step": state["step"], f"train.best_{select_by.replace('.', '_')}": score})
     for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):  # the optimizer state stays in final/ for resume_from
         ctx.log_artifact(final / name, "checkpoint")
     ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
     return final
 
 
-def _final_checkpoint(result, validated: bool):
-    """(checkpoint, its val.proxy_tau): the best validated checkpoint Ray Train kept, else the last one."""
-    if not validated:
+def _val_tau_settings(ctx: Context) -> dict | None:
+    """What rank 0 needs to measure val.tau at each checkpoint (training.val_tau_samples > 0), else None."""
+    training, evaluation = ctx.cfg.training, ctx.cfg.evaluation
+    if training.val_tau_samples <= 0:
+        return None
+    return {"samples": int(training.val_tau_samples), "max_new_tokens": int(training.val_tau_max_new_tokens),
+            "verifier_path": ctx.verifier_path, "compute_dtype": ctx.cfg.verifier.compute_dtype,
+            "num_speculative_tokens": int(evaluation.num_speculative_tokens),
+            "batch_size": int(evaluation.batch_size), "confidence_threshold": evaluation.confidence_threshold}
+
+
+def _final_checkpoint(result, select_by: str | None):
+    """(checkpoint, its `select_by` metric): the best validated checkpoint Ray Train kept, else the last one."""
+    if select_by is None:
         return result.checkpoint, None
-    scored = [(metrics["val.proxy_tau"], checkpoint) for checkpoint, metrics in result.best_checkpoints or []
-              if "val.proxy_tau" in metrics]
+    scored = [(metrics[select_by], checkpoint) for checkpoint, metrics in result.best_checkpoints or []
+              if select_by in metrics]
     if not scored:
         return result.checkpoint, None
     score, checkpoint = max(scored, key=lambda pair: pair[0])
@@ -143,13 +156,13 @@ def _resume_from(ctx: Context) -> Path | None:
 
 
 def _checkpoint_config(training):
-    """Keep the last `keep_checkpoints`; with validation, the best by val.proxy_tau (Ray Train keeps the latest one
-    too, which a resume continues)."""
+    """Keep the last `keep_checkpoints`; with validation, the best by `select_best_by` (Ray Train keeps the latest
+    one too, which a resume continues)."""
     from ray.train import CheckpointConfig
 
     if training.val_samples > 0:
-        return CheckpointConfig(num_to_keep=training.keep_checkpoints, checkpoint_score_attribute="val.proxy_tau",
-                                checkpoint_score_order="max")
+        return CheckpointConfig(num_to_keep=training.keep_checkpoints,
+                                checkpoint_score_attribute=training.select_best_by, checkpoint_score_order="max")
     return CheckpointConfig(num_to_keep=training.keep_checkpoints)
 
 

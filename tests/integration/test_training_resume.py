@@ -213,20 +213,57 @@ def test_zero_on_two_workers_follows_the_single_worker_loss_curve(store, tiny_ve
 
 
 @pytest.mark.slow
-def test_the_final_checkpoint_is_the_best_validated_one(store, tiny_verifier_path):
-    cfg, _ = with_store(store, tiny_verifier_path, "validated", "training.val_samples=2", "training.max_steps=6",
-                        "training.checkpoint_every=2", "training.lr=0.05")
+def test_val_tau_is_the_reference_decoders_tau_on_the_checkpoint_and_picks_the_final_one(store, tiny_verifier_path):
+    """Every checkpoint, and only checkpoints, is validated: val.proxy_tau on the held-out samples, and val.tau,
+    for which rank 0 decodes their prompts: it is what the reference decoder gives on that checkpoint's files and
+    those prompts, decoded again here. select_best_by=val.tau makes the best of them the final checkpoint (the
+    proxy picks through the same Ray Train ranking); each checkpoint is logged to MLflow."""
+    import torch
+
+    from pipeline.data.store import load_manifest, read_samples, sample_locations
+    from pipeline.evaluation.measured_drafter import decoding_drafter
+    from pipeline.evaluation.metrics import merged
+    from pipeline.evaluation.reference_decoder import SpeculativeDecoder
+    from pipeline.generation.verifier import load_verifier
+    from pipeline.training.validation import split_validation
+
+    cfg, _ = with_store(store, tiny_verifier_path, "val-tau", "training.val_samples=2", "training.val_tau_samples=2",
+                        "training.val_tau_max_new_tokens=12", "training.select_best_by=val.tau",
+                        "training.max_steps=6", "training.checkpoint_every=2", "training.lr=0.05")
     run_stages(cfg, "train", ["train"])
     client = mlflow.MlflowClient(tracking_uri(cfg))
     experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
     [run] = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'")
-    scores = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val.proxy_tau")}
-    assert sorted(scores) == [2, 4, 6]  # every checkpoint was validated, and only checkpoints
-    state = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())
-    assert scores[state["step"]] == max(scores.values())
-    assert run.data.metrics["train.best_val_proxy_tau"] == pytest.approx(max(scores.values()))
-    assert run.data.metrics["train.best_step"] == state["step"]
-    logged = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
-    assert logged == {"checkpoints/step-2", "checkpoints/step-4", "checkpoints/step-6"}  # every checkpoint
+    logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val.tau")}
+    proxy = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val.proxy_tau")}
+    assert sorted(logged) == sorted(proxy) == [2, 4, 6] and all(tau >= 1.0 for tau in logged.values())
+
+    store_dir = StagePaths(cfg).store
+    locations = sample_locations(store_dir, load_manifest(store_dir))
+    _, held_out = split_validation(locations, 2, cfg.training.seed)
+    layers = load_manifest(store_dir)["layer_ids"]
+    samples = read_samples(store_dir, held_out, layers[:-1], layers[-1])
+    prompts = []
+    for sample in samples:
+        first = sample["loss_mask"].tolist().index(1)
+        prompts.append(sample["input_ids"][:first].tolist())
+    verifier, tokenizer = load_verifier(tiny_verifier_path, "float32")
+    measured = {}
+    for state_file in Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*/train_state.json"):
+        drafter = decoding_drafter(state_file.parent)
+        decoder = SpeculativeDecoder(verifier, drafter, cfg.evaluation.num_speculative_tokens)
+        with torch.no_grad():
+            counts = [c for _, c in decoder.generate_batch(prompts, 12, tokenizer.eos_token_id)]
+        measured[json.loads(state_file.read_text())["step"]] = merged(counts).tau
+    assert measured == pytest.approx(logged, abs=1e-9)
+    final = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())["step"]
+    assert logged[final] == max(logged.values())
+    metrics = run.data.metrics
+    assert metrics["train.best_val_tau"] == pytest.approx(max(logged.values()))
+    assert metrics["train.best_step_by_val_tau"] == final and metrics["train.best_step"] == final
+    assert proxy[metrics["train.best_step_by_proxy_tau"]] == max(proxy.values())
+    assert -1.0 <= metrics["train.proxy_tau_spearman"] <= 1.0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    assert artifacts == {"checkpoints/step-2", "checkpoints/step-4", "checkpoints/step-6"}  # every checkpoint
     assert {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, "checkpoints/step-4")} == {
         "spec.json", "drafter.safetensors", "train_state.json"}

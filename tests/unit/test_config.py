@@ -81,7 +81,25 @@ def test_wrong_type_is_refused_naming_the_field():
     ("training.max_tokens_per_micro_batch=-8", "training.max_tokens_per_micro_batch"),
     ("evaluation.temperature=-1", "evaluation.temperature"),
     ("evaluation.profile_max_new_tokens=0", "evaluation.profile_max_new_tokens"),
+    ("training.val_tau_samples=5", "training.val_tau_samples"),  # more than the 4 val_samples held out
+    ("training.val_tau_max_new_tokens=0", "training.val_tau_max_new_tokens"),
+    ("training.select_best_by=val.loss", "training.select_best_by"),
+    ("training.select_best_by=val.tau", "training.select_best_by"),  # with no val.tau measured
 ])
 def test_semantic_validation_names_the_field(override, field):
     with pytest.raises(PipelineError, match=field.replace(".", r"\.")):
         validate(compose([override]))
+
+
+@pytest.mark.parametrize("override,field", [
+    ("data.synthetic.per_domain=0", "data.synthetic.per_domain"),
+    ("data.synthetic.domains=[code,poetry]", "data.synthetic.domains"),
+    ("data.synthetic.backend=sglang", "data.synthetic.backend"),
+    ("data.synthetic.batch_size=100000", "data.synthetic.batch_size"),
+    ("data.synthetic.temperature=0", "data.synthetic"),
+])
+def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(override, field):
+    validate(compose([override]))  # the humaneval source reads no synthetic setting
+    for source in ("synthetic", "general"):
+        with pytest.raises(PipelineError, match=field.replace(".", r"\.")):
+            validate(compose([f"data.source={source}", override]))

@@ -1,0 +1,82 @@
+"""Real acceptance during training: `val.tau`, measured at a checkpoint by the lossless reference decoder.
+
+The proxy (`val.proxy_tau`, from teacher-forced accuracy) misleads: on the default run it read 1.94 where decoding
+gave 1.39. So at each checkpoint rank 0 decodes the prompts of a few validation samples (held out of training, the
+same samples val.proxy_tau scores) with the verifier and the checkpoint's drafter, loaded from the checkpoint's own
+files and rounded as the export stores it: exactly what the evaluate stage measures on that checkpoint.
+val.tau is the pooled τ of the metric spec (pipeline/evaluation/metrics.py: tokens per verifier forward over all
+requests), greedy, at K = evaluation.num_speculative_tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pipeline.evaluation.measured_drafter import decoding_drafter
+from pipeline.evaluation.metrics import merged
+
+METRICS = ("val.tau", "val.alpha1")
+
+
+def prompt_of(sample: dict) -> list[int]:
+    """The tokens before a store sample's first trained (loss-masked) token: its first user turn, templated."""
+    mask = sample["loss_mask"].tolist()
+    first = mask.index(1) if 1 in mask else len(mask)
+    return sample["input_ids"][:first].tolist()
+
+
+class AcceptanceProbe:
+    """val.tau and val.alpha1 of a checkpoint on fixed prompts (token ids, [num_prompts][prompt_len]).
+
+    The verifier (an HF folder, loaded in `compute_dtype` on first use) stays in memory between checkpoints.
+    max_new_tokens: the decode length of each prompt; batch_size: prompts decoded together, as the evaluate stage
+    batches them (greedy τ can differ by a near-tie between batchings)."""
+
+    def __init__(self, verifier_path: str, compute_dtype: str, prompts: list[list[int]], num_speculative_tokens: int,
+                 max_new_tokens: int, batch_size: int, confidence_threshold: Optional[float] = None):
+        self.verifier_path, self.compute_dtype = verifier_path, compute_dtype
+        self.prompts, self.k, self.max_new_tokens = prompts, num_speculative_tokens, max_new_tokens
+        self.batch_size, self.confidence_threshold = batch_size, confidence_threshold
+        self._verifier = self._eos = None
+
+    def _load(self):
+        if self._verifier is None:
+            from pipeline.generation.verifier import load_verifier
+
+            self._verifier, tokenizer = load_verifier(self.verifier_path, self.compute_dtype)
+            self._eos = tokenizer.eos_token_id
+        return self._verifier
+
+    @torch.no_grad()
+    def measure(self, checkpoint: Path) -> dict[str, float]:
+        """{val.tau, val.alpha1} of the drafter saved in `checkpoint` (a folder with spec.json and weights)."""
+        from pipeline.evaluation.reference_decoder import SpeculativeDecoder
+
+        verifier = self._load()
+        drafter = decoding_drafter(checkpoint, self.confidence_threshold).to(verifier.device)
+        decoder = SpeculativeDecoder(verifier, drafter, self.k)
+        counts = []
+        for start in range(0, len(self.prompts), self.batch_size):
+            counts += [c for _, c in decoder.generate_batch(self.prompts[start:start + self.batch_size],
+                                                            self.max_new_tokens, self._eos)]
+        total = merged(counts)
+        return {"val.tau": total.tau, "val.alpha1": total.conditional_acceptance[0]}
+
+
+def proxy_agreement(points: list[dict[str, float]]) -> dict[str, float]:
+    """How well val.proxy_tau predicts val.tau across checkpoints ([{step, val.proxy_tau, val.tau}]): Spearman's
+    rank correlation (scipy; 0 with fewer than 3 checkpoints or a constant series) and the steps each would pick."""
+    from scipy.stats import spearmanr
+
+    by_proxy = max(points, key=lambda p: p["val.proxy_tau"])
+    by_tau = max(points, key=lambda p: p["val.tau"])
+    rho = 0.0
+    proxies, taus = [p["val.proxy_tau"] for p in points], [p["val.tau"] for p in points]
+    if len(points) >= 3 and len(set(proxies)) > 1 and len(set(taus)) > 1:
+        rho = float(spearmanr(proxies, taus).statistic)
+    return {"train.proxy_tau_spearman": rho, "train.best_step_by_proxy_tau": by_proxy["step"],
+            "train.best_step_by_val_tau": by_tau["step"], "train.val_tau_at_proxy_choice": by_proxy["val.tau"],
+            "train.val_tau_best": by_tau["val.tau"]}
