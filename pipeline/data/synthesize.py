@@ -107,32 +107,44 @@ def part_name(domain: str, batch: int) -> str:
     return f"{domain}-{batch:04d}.jsonl"
 
 
+def _write_part(part: Path, tokenizer: Any, sampled: list[list[int]], stop_ids: set[int]) -> None:
+    """One sampled batch as JSON lines {text, finished}, written whole or not at all."""
+    samples = [{"text": tokenizer.decode([t for t in ids if t not in stop_ids]),
+                "finished": bool(ids) and ids[-1] in stop_ids} for ids in sampled]
+    atomic_write_text(part, "".join(json.dumps(sample) + "\n" for sample in samples))
+
+
+def _read_part(part: Path) -> list[dict]:
+    return [json.loads(line) for line in part.read_text(encoding="utf-8").splitlines()]
+
+
 def synthesize(folder: Path, tokenizer: Any, generate: Callable[[list[list[int]], list[int], int], list[list[int]]],
                domains: dict[str, str], per_domain: int, batch_size: int, max_new_tokens: int, seed: int,
-               stop_ids: set[int]) -> list[dict[str, str]]:
-    """Sample `per_domain` user turns per domain, `batch_size` at a time, and return the usable ones, deduplicated:
-    [{domain, prompt}], domains in the order given, each in sampling order.
+               stop_ids: set[int]) -> tuple[list[dict[str, str]], dict[str, int]]:
+    """Sample `per_domain` user turns per domain, `batch_size` at a time; return the usable ones, deduplicated
+    ([{domain, prompt}], domains in the order given, each in sampling order), and how many each filter dropped.
 
     generate(prompt_ids, budgets, seed) -> sampled ids per prompt (a generation backend's `generate` with its
     temperature and top_p bound). Batches already in `folder` are read back, not sampled again. Raises
     PipelineError when no usable prompt comes back at all."""
+    from pipeline.logs import progress_bar
+
     folder.mkdir(parents=True, exist_ok=True)
     special = [t for t in tokenizer.all_special_tokens if t]
     rows, seen, problems = [], set(), Counter()
+    batches = (per_domain + batch_size - 1) // batch_size
+    progress = progress_bar(batches * len(domains), "data.synthetic", unit="batch")
     for domain_index, (domain, system_prompt) in enumerate(domains.items()):
         prefix = tokenizer(user_turn_prefix(tokenizer, system_prompt), add_special_tokens=False)["input_ids"]
-        for batch in range((per_domain + batch_size - 1) // batch_size):
+        for batch in range(batches):
             size = min(batch_size, per_domain - batch * batch_size)
             part = folder / part_name(domain, batch)
             if not part.is_file():
-                # vLLM seeds request i of a batch with batch_seed + i: batches stay batch_size_limit apart
+                # vLLM seeds request i of a batch with batch_seed + i: batches stay BATCH_SEED_STRIDE apart
                 batch_seed = ((seed * 101 + domain_index) * 100_003 + batch) * BATCH_SEED_STRIDE
                 sampled = generate([prefix] * size, [max_new_tokens] * size, batch_seed)
-                samples = [{"text": tokenizer.decode([t for t in ids if t not in stop_ids]),
-                            "finished": bool(ids) and ids[-1] in stop_ids} for ids in sampled]
-                atomic_write_text(part, "".join(json.dumps(s) + "\n" for s in samples))
-            for line in part.read_text(encoding="utf-8").splitlines():
-                sample = json.loads(line)
+                _write_part(part, tokenizer, sampled, stop_ids)
+            for sample in _read_part(part):
                 problem = prompt_problem(sample["text"], sample["finished"], special, system_prompt)
                 key = _normalised(sample["text"])
                 if problem is None and key in seen:
@@ -142,13 +154,12 @@ def synthesize(folder: Path, tokenizer: Any, generate: Callable[[list[list[int]]
                     continue
                 seen.add(key)
                 rows.append({"domain": domain, "prompt": sample["text"].strip()})
-    kept = Counter(row["domain"] for row in rows)
-    log.info("data.synthetic: kept %s of %d sampled per domain; dropped %s", dict(kept), per_domain,
-             dict(problems) or "none")
+            progress.update(1)
+    progress.close()
     if not rows:
         raise PipelineError(f"data.synthetic: none of the {per_domain * len(domains)} sampled user turns is a "
                             f"usable prompt ({dict(problems)})")
-    return rows
+    return rows, dict(problems)
 
 
 @dataclass(frozen=True)
@@ -198,10 +209,14 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
     import ray
 
     task = ray.remote(num_cpus=settings["cpus"])(_write_prompts)
-    return ray.get(task.remote(str(folder), writer.path, writer.compute_dtype, settings))
+    rows, dropped = ray.get(task.remote(str(folder), writer.path, writer.compute_dtype, settings))
+    log.info("data.synthetic: kept %s of %d sampled per domain (%s); dropped %s",
+             dict(Counter(row["domain"] for row in rows)), settings["per_domain"], folder, dropped or "none")
+    return rows
 
 
-def _write_prompts(folder: str, verifier_path: str, compute_dtype: str, settings: dict) -> list[dict[str, str]]:
+def _write_prompts(folder: str, verifier_path: str, compute_dtype: str,
+                   settings: dict) -> tuple[list[dict[str, str]], dict[str, int]]:
     """Ray task body: load the verifier on one backend and run `synthesize`."""
     from transformers import AutoTokenizer, GenerationConfig
 

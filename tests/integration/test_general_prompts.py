@@ -10,8 +10,9 @@ from pipeline.data.prompts import load_prompts
 from pipeline.data.synthesize import PromptWriter
 from pipeline.evaluation.eval_sets import eval_sets
 
-SMALL = ["data.source=general", "data.synthetic.per_domain=6", "data.synthetic.batch_size=6",
-         "data.synthetic.max_new_tokens=48", "data.synthetic.backend=hf"]
+# Two domains, one batch each: the mechanism at a fraction of the default's 3 x 800 requests.
+SMALL = ["data.source=general", "data.synthetic.domains=[code,chat]", "data.synthetic.per_domain=6",
+         "data.synthetic.batch_size=6", "data.synthetic.max_new_tokens=40", "data.synthetic.backend=hf"]
 
 
 def writer(cfg, smollm2_path: str, cache_root) -> PromptWriter:
@@ -48,7 +49,7 @@ def test_an_eval_set_of_the_verifiers_requests_leaves_out_every_training_prompt(
     evaluation = compose([*SMALL, "evaluation.datasets=[code]", "evaluation.prompts_per_set=12",
                           "++evaluation.sets.code.synthetic.seed=0", "++evaluation.sets.code.synthetic.per_domain=12",
                           "++evaluation.sets.code.synthetic.batch_size=6",
-                          "++evaluation.sets.code.synthetic.max_new_tokens=48",
+                          "++evaluation.sets.code.synthetic.max_new_tokens=40",
                           "++evaluation.sets.code.synthetic.backend=hf"]).evaluation
     train_ids = set(train["sample_id"])
     sets = eval_sets(evaluation, [], train_ids, writer(cfg, smollm2_path, tmp_path))

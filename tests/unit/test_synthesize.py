@@ -33,27 +33,28 @@ def tokenizer():
 
 
 def canned_generator(tokenizer, log: list):
-    """A stand-in backend: each request draws a canned text from its batch seed (and a few end without the
-    end-of-turn token, as an over-long sample does)."""
+    """A stand-in backend: request i of a batch writes canned text (i + a number drawn from the batch seed) and
+    every seventh ends without the end-of-turn token, as an over-long sample does."""
     eos = tokenizer.eos_token_id
 
     def generate(prompts, budgets, seed):
         log.append((len(prompts), seed))
-        rng = random.Random(seed)
+        offset = random.Random(seed).randrange(len(CANNED))
         out = []
-        for _ in prompts:
-            ids = tokenizer(rng.choice(CANNED), add_special_tokens=False)["input_ids"]
-            out.append(ids + ([eos] if rng.random() > 0.1 else []))
+        for i, _ in enumerate(prompts):
+            ids = tokenizer(CANNED[(i + offset) % len(CANNED)], add_special_tokens=False)["input_ids"]
+            out.append(ids + ([eos] if i % 7 != 6 else []))
         return out
 
     return generate
 
 
-def run(folder, tokenizer, log, seed=0, per_domain=24):
-    return synthesize(folder, tokenizer, canned_generator(tokenizer, log), {"code": "You write code.",
+def run(folder, tokenizer, log, seed=0, per_domain=24, with_dropped=False):
+    rows, dropped = synthesize(folder, tokenizer, canned_generator(tokenizer, log), {"code": "You write code.",
                                                                              "chat": "You chat."},
                       per_domain=per_domain, batch_size=10, max_new_tokens=32, seed=seed,
                       stop_ids={tokenizer.eos_token_id})
+    return (rows, dropped) if with_dropped else rows
 
 
 def test_the_user_turn_begins_where_the_template_puts_the_users_text(tokenizer):
@@ -92,7 +93,10 @@ def test_the_same_seed_gives_the_same_prompts_deduplicated_and_filtered(tmp_path
     assert len(texts) == len(set(texts))  # each request once (up to case and spacing), whichever came first
     assert {row["prompt"] for row in first} <= set(CANNED[:4])  # only the usable requests pass the filters
     assert {row["domain"] for row in first} <= {"code", "chat"}
-    first_seeds = [seed for _, seed in log[:6]]
+    _, dropped = run(tmp_path / "a", tokenizer, log, with_dropped=True)  # read back from the parts
+    assert {"repeated", "too short", "empty", "repetitive", "not text", "template text"} <= set(dropped)
+    assert sum(dropped.values()) + len(first) == 48
+    first_seeds = [seed for _, seed in log[:6]]  # the six batches of the first run
     log.clear()
     run(tmp_path / "c", tokenizer, log, seed=1)
     other_seeds = [seed for _, seed in log]
