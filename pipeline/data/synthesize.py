@@ -202,7 +202,7 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
     from pipeline.cluster import ensure_ray
     from pipeline.paths import content_key
 
-    settings = OmegaConf.to_container(synth_cfg, resolve=True) if OmegaConf.is_config(synth_cfg) else synth_cfg
+    settings = dict(OmegaConf.to_container(synth_cfg, resolve=True) if OmegaConf.is_config(synth_cfg) else synth_cfg)
     settings["system_prompts"] = {d: settings["system_prompts"][d] for d in settings["domains"]}  # only those used
     folder = writer.cache_root / content_key(settings, writer.identity, writer.compute_dtype)
     ensure_ray(writer.cluster)

@@ -129,8 +129,9 @@ def test_a_lost_worker_is_replaced_from_the_last_checkpoint(store, tiny_verifier
     cfg, overrides = with_store(store, tiny_verifier_path, "lost-worker", "training.max_steps=24")
     process = start_train(overrides)
     deadline = time.time() + 600
-    # the second checkpoint on disk: the first one is surely registered with Ray Train's controller by then
-    while len(checkpoint_steps(cfg)) < 2 and process.poll() is None and time.time() < deadline:
+    # A worker writes a checkpoint's files, then waits until the controller has taken its previous report (Ray
+    # Train holds one per worker): the third checkpoint on disk means the first one is registered for a restart.
+    while len(checkpoint_steps(cfg)) < 3 and process.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     workers = subprocess.run(["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True).stdout.split()
     assert process.poll() is None and workers, "no training worker to kill"
