@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder
@@ -62,9 +63,15 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
     target = Path(verifier_cfg.cache_dir).expanduser() / f"{verifier_cfg.name}-{verifier_cfg.save_dtype}"
     if _is_plain_hf_folder(target):
         return target
-    log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
-    with atomic_folder(target) as staging:
-        _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Two jobs on one machine (CI's two test lanes, two users' runs) convert once: the second waits for the first,
+    # then finds the folder done, instead of replacing it while the first job loads it.
+    with FileLock(f"{target}.lock"):
+        if _is_plain_hf_folder(target):
+            return target
+        log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
+        with atomic_folder(target) as staging:
+            _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype])
     return target
 
 

@@ -44,3 +44,32 @@ def test_a_missing_package_is_named():
 
 def test_local_folder_is_used_as_is(tiny_verifier_path):
     assert resolve_verifier_path(verifier_cfg(path=tiny_verifier_path)) == str(Path(tiny_verifier_path).resolve())
+
+
+def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_others_folder(tmp_path, monkeypatch):
+    """Two processes resolving the packaged verifier together (CI's two test lanes): the second waits for the
+    first's conversion and then uses its folder."""
+    import threading
+    import time
+
+    import pipeline.generation.verifier as verifier
+
+    conversions = []
+
+    def slow_conversion(gguf_path, out_dir, dtype):
+        conversions.append(out_dir)
+        time.sleep(0.5)  # long enough that the other thread asks while this one converts
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(verifier, "_save_gguf_as_hf", slow_conversion)
+    monkeypatch.setattr(verifier, "_packaged_file", lambda package, filename: tmp_path / filename)
+    cfg = verifier_cfg(gguf_package="pkg", gguf_file="v.gguf", cache_dir=str(tmp_path / "cache"))
+    resolved = []
+    threads = [threading.Thread(target=lambda: resolved.append(resolve_verifier_path(cfg))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(conversions) == 1
+    assert resolved == [str(tmp_path / "cache" / "v-bfloat16")] * 2
+    assert (tmp_path / "cache" / "v-bfloat16" / "config.json").is_file()
