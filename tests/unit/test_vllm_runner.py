@@ -1,0 +1,55 @@
+"""The vLLM runner's bookkeeping, with a stand-in engine: per-set counters are the differences of the engine's
+cumulative counters across each set's decode."""
+
+from __future__ import annotations
+
+import sys
+from argparse import Namespace
+from types import ModuleType, SimpleNamespace
+
+from pipeline.evaluation.vllm_runner import counters_between, generate
+
+
+def test_counters_between_two_readings_are_their_differences():
+    before = {"num_drafts": 3, "num_draft_tokens": 12, "num_accepted_tokens": 5, "num_accepted_tokens_per_pos": [3, 2]}
+    after = {"num_drafts": 7, "num_draft_tokens": 28, "num_accepted_tokens": 9, "num_accepted_tokens_per_pos": [6, 3]}
+    assert counters_between(before, after) == {"num_drafts": 4, "num_draft_tokens": 16, "num_accepted_tokens": 4,
+                                               "num_accepted_tokens_per_pos": [3, 1]}
+    empty = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+    assert counters_between(empty, after)["num_accepted_tokens_per_pos"] == [6, 3]
+
+
+class CountingEngine:
+    """Each request drafts once per prompt token and gets one draft accepted per request."""
+
+    def __init__(self, **_):
+        self.drafts = self.accepted = 0
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.drafts += sum(len(p["prompt_token_ids"]) for p in prompts)
+        self.accepted += len(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(reversed(p["prompt_token_ids"])))])
+                for p in prompts]
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=4 * self.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[self.accepted, 0])]
+
+
+def test_named_sets_are_decoded_one_after_another_with_their_own_counters(monkeypatch):
+    vllm = ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = CountingEngine, lambda **kwargs: kwargs
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, temperature=0.0)
+    result = generate("verifier", {"code": [[1, 2, 3]], "chat": [[4, 5], [6]]}, 8, {"model": "d"}, args, {})
+    assert result["per_set"]["code"]["tokens"] == [[3, 2, 1]]
+    assert result["per_set"]["chat"]["tokens"] == [[5, 4], [6]]
+    assert result["per_set"]["code"]["counters"]["num_drafts"] == 3
+    assert result["per_set"]["chat"]["counters"]["num_drafts"] == 3
+    assert result["per_set"]["chat"]["counters"]["num_accepted_tokens_per_pos"] == [2, 0]
+    assert result["counters"]["num_drafts"] == 6  # the whole run's, as before
