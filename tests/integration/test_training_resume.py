@@ -118,7 +118,7 @@ def test_a_lost_worker_is_replaced_and_a_killed_job_continues_the_same_loss_curv
     # A worker writes a checkpoint's files, then waits until the controller has taken its previous report (Ray
     # Train holds one per worker): the third checkpoint on disk means the first one is registered for a restart.
     wait_for(lambda: len(checkpoint_steps(cfg)) >= 3, process, "its third checkpoint")
-    # this job's workers only (its own session): CI runs another lane of tests beside this one
+    # this job's workers only (its own session), never those of another Ray on the machine
     workers = subprocess.run(["pgrep", "-s", str(process.pid), "-f", "ray::RayTrainWorker"], capture_output=True,
                              text=True).stdout.split()
     assert workers, "no training worker to kill"

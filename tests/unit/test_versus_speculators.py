@@ -1,0 +1,43 @@
+"""The pieces of benchmarks/versus_speculators.py that could silently change what their side trains: Muon's
+orthogonalisation in fp32 and the packed row their trainer would build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.versus_speculators import orthogonalize_in_fp32, their_batch
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
+def test_orthogonalisation_in_fp32_is_torchs_muon_step_within_bf16(shape):
+    from torch.optim import _muon
+
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+    theirs = _muon._zeropower_via_newtonschulz(grad, coefficients, _muon.DEFAULT_NS_STEPS, 1e-7)
+    ours = orthogonalize_in_fp32(grad, coefficients, _muon.DEFAULT_NS_STEPS, 1e-7)
+    assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape
+    assert torch.allclose(ours.float(), theirs.float(), atol=0.02), (ours.float() - theirs.float()).abs().max()
+    singular_values = torch.linalg.svdvals(ours.float())
+    assert singular_values.min() > 0.4 and singular_values.max() < 1.6  # orthogonalised (Muon's S' ~ U(0.5, 1.5))
+
+
+def sample(length: int, offset: int) -> dict:
+    return {"input_ids": torch.arange(length) + offset, "aux": torch.randn(length, 6), "last": torch.randn(length, 2),
+            "loss_mask": torch.tensor([0] * 2 + [1] * (length - 2))}
+
+
+def test_two_documents_pack_into_one_row_shifted_as_their_eagle_trainer_shifts_them():
+    batch = their_batch("peagle", [sample(5, 100), sample(4, 200)])
+    assert batch["input_ids"].shape == (1, 7)  # each document loses one position to the shift
+    assert batch["input_ids"][0].tolist() == [101, 102, 103, 104, 201, 202, 203]
+    assert batch["document_ids"][0].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert batch["hidden_states"].shape == (1, 7, 6) and batch["verifier_last_hidden_states"].shape == (1, 7, 2)
+    assert batch["position_ids"][0].tolist()[4] < batch["position_ids"][0].tolist()[3]  # restarts per document
+
+
+def test_block_drafters_pack_without_a_shift():
+    batch = their_batch("dflash", [sample(5, 100), sample(4, 200)])
+    assert batch["input_ids"][0].tolist() == [100, 101, 102, 103, 104, 200, 201, 202, 203]
+    assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1]
