@@ -64,8 +64,8 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
     if _is_plain_hf_folder(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Two jobs on one machine (CI's two test lanes, two users' runs) convert once: the second waits for the first,
-    # then finds the folder done, instead of replacing it while the first job loads it.
+    # Two jobs on one machine (two users' runs, a job beside a test run) convert once: the second waits for the
+    # first, then finds the folder done, instead of replacing it while the first job loads it.
     with FileLock(f"{target}.lock"):
         if _is_plain_hf_folder(target):
             return target

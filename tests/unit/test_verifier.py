@@ -47,7 +47,7 @@ def test_local_folder_is_used_as_is(tiny_verifier_path):
 
 
 def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_others_folder(tmp_path, monkeypatch):
-    """Two processes resolving the packaged verifier together (CI's two test lanes): the second waits for the
+    """Two processes resolving the packaged verifier together (two jobs on one machine): the second waits for the
     first's conversion and then uses its folder."""
     import threading
     import time
