@@ -154,8 +154,8 @@ def build_theirs(algorithm: str, ours_export: Path, verifier_path: str, defaults
             model = PEagleDraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t,
                                                         mask_token_id=int(ours["mask_token_id"]),
                                                         num_depths=defaults["num_depths"], **common)
-        differences.append("drafter layer: the verifier's (Llama) for both; their CLI picks Qwen3 layers for "
-                           "P-EAGLE, which vLLM 0.32's EAGLE-3 drafter (Llama layers) cannot load")
+            differences.append("drafter layer: the verifier's (Llama) for both; their CLI picks Qwen3 layers for "
+                               "P-EAGLE, which vLLM 0.32's EAGLE-3 drafter (Llama layers) cannot load")
     else:
         from speculators.models.dflash import DFlashDraftModel
 
