@@ -63,6 +63,8 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     from pipeline.paths import StagePaths
 
     fresh_root(root, work)
+    if (root / "synthetic").is_dir():  # the verifier's eval-set requests: the same settings give the same prompts
+        (work / "synthetic").symlink_to(root / "synthetic", target_is_directory=True)
     overrides = ours_overrides(work, algorithm, args)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     started = time.perf_counter()
