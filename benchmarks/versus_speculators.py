@@ -75,10 +75,10 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
                            f"{finished.stderr.strip().splitlines()[-1:]}")
     cfg = compose(overrides)
     paths = StagePaths(cfg)
-    export = next(p for p in (work / "export").iterdir() if (p / "config.json").is_file())
     report = json.loads((paths.evaluation / "report.json").read_text())
     training = cfg.training
-    return {"cfg": cfg, "paths": paths, "export": export, "report": report,
+    # this run's own export (a work root reused with other settings holds others beside it)
+    return {"cfg": cfg, "paths": paths, "export": paths.export, "report": report,
             "seconds": round(time.perf_counter() - started, 1),
             "recipe": {"optimizer": f"AdamW (torch defaults), weight decay {training.weight_decay}",
                        "lr": float(training.lr),
@@ -231,9 +231,9 @@ def their_optimizers(model, defaults: dict, steps: int, differences: list[str]):
     """Their optimizer builder and scheduler, with their defaults."""
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     from pipeline.training.loop import native_bf16
-    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     config = TrainerConfig(lr=defaults["lr"], num_epochs=1, save_path="", optimizer=defaults["optimizer"],
                            weight_decay=defaults["weight_decay"], muon_lr=defaults["muon_lr"],
