@@ -131,6 +131,12 @@ class DrafterConfig:
     # Sequence-length sparsification: at most this many loss-carrying anchors per sequence per step (null = all).
     max_anchors: Optional[int] = 64
     norm_before_residual: bool = True
+    # EAGLE-3 / P-EAGLE: one RMSNorm over the concatenated aux hidden states before `fc` (speculators' and vLLM's
+    # `norm_before_fc`, weight `input_norm`): the verifier's layers differ in scale by orders of magnitude.
+    norm_before_fc: bool = False
+    # EAGLE-3: each training-time-test step reads the previous step's post-norm output instead of its pre-norm one
+    # (speculators' and vLLM's `norm_output`).
+    norm_output: bool = False
     # DFlash / DSpark: attention inside a block is bidirectional (the paper); true makes it causal.
     causal_block: bool = False
     # DFlash / DSpark: loss weight of draft j is exp(-j / loss_decay_gamma).
@@ -156,9 +162,20 @@ class TrainingConfig:
     # Micro-batches each worker's Ray Data stream reads ahead of the training step.
     prefetch_micro_batches: int = 2
     grad_accum_steps: int = 1
+    # adamw: AdamW on every trainable tensor. muon: Muon (momentum orthogonalised by Newton-Schulz, Jordan et al.
+    # 2024) on the weight matrices and AdamW (lr, weight_decay) on the rest, the split speculators' recipe uses; under
+    # DeepSpeed its own Muon (MuonWithAuxAdam, ZeRO-aware), else torch.optim.Muon. muon_lr is scaled per matrix by
+    # sqrt(max(1, rows / cols)) in both (Muon's original rule).
+    optimizer: str = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     warmup_steps: int = 10
+    # After the linear warmup the learning rate falls to min_lr_ratio x its peak at the last step: cosine or linear.
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     checkpoint_every: int = 100
     # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.

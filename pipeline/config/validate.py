@@ -11,6 +11,7 @@ from pipeline.config import schema as schema_module
 from pipeline.data.prompts import OFFLINE_SOURCES
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_config
 from pipeline.errors import PipelineError
+from pipeline.training.optim import LR_SCHEDULES, OPTIMIZERS
 
 KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 KNOWN_SOURCES = (*OFFLINE_SOURCES, "jsonl", "parquet", "hub")
@@ -85,6 +86,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
     _validate_val_tau(cfg.training)
+    _validate_optimizer(cfg.training)
     _require(cfg.training.max_tokens_per_micro_batch >= 0,
              "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
     _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
@@ -134,6 +136,19 @@ def _validate_val_tau(training: DictConfig) -> None:
              f"training.select_best_by: '{training.select_best_by}' is not one of {SELECTION_METRICS}")
     _require(training.select_best_by != "val.tau" or training.val_tau_samples > 0,
              "training.select_best_by: val.tau needs training.val_tau_samples > 0")
+
+
+def _validate_optimizer(training: DictConfig) -> None:
+    _require(training.optimizer in OPTIMIZERS,
+             f"training.optimizer: '{training.optimizer}' is not one of {OPTIMIZERS}")
+    _require(training.lr_schedule in LR_SCHEDULES,
+             f"training.lr_schedule: '{training.lr_schedule}' is not one of {LR_SCHEDULES}")
+    _require(0.0 <= training.min_lr_ratio <= 1.0, "training.min_lr_ratio: must be in [0, 1]")
+    for key in ("lr", "muon_lr"):
+        _require(training[key] > 0, f"training.{key}: must be > 0")
+    for key in ("weight_decay", "muon_weight_decay", "muon_momentum"):
+        _require(training[key] >= 0, f"training.{key}: must be >= 0")
+    _require(training.muon_momentum < 1, "training.muon_momentum: must be < 1")
 
 
 def _validate_generation_parallelism(gen: DictConfig) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.drafters.vocab import d2t_offsets, t2d_mask
+from pipeline.losses.blockwise import DraftHead
 
 
 @dataclass
@@ -89,7 +90,7 @@ class DrafterBase(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size, bias=False)
         self.embed_tokens.requires_grad_(False)
         self.lm_head.requires_grad_(False)
         self.register_buffer("verifier_head", torch.empty(0), persistent=False)

@@ -15,17 +15,20 @@ from torch import nn
 
 from pipeline.drafters.chains import attention_allowed, sample_training_rows
 from pipeline.drafters.common import DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary
-from pipeline.losses.distill import distill_rows, on_model_device, pad_stack, soft_cross_entropy
+from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 
 class EagleFamilyDrafter(DrafterBase):
     # P-EAGLE sparsifies chains along depth in training (drafter.depth_keep_decay); EAGLE-3's TTT keeps them whole.
     sparsifies_depth = False
+    extra_keys = ("norm_before_fc",)
 
     def __init__(self, spec: DrafterSpec):
         super().__init__(spec)
         config = spec.layer_config()
         hidden, num_aux = spec.hidden_size, len(spec.aux_layer_ids)
+        # speculators' and vLLM's norm_before_fc: one RMSNorm over the concatenated [A*H] features before fc.
+        self.input_norm = build_norm(config, num_aux * hidden) if spec.extra.get("norm_before_fc") else None
         self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(
             EagleDecoderLayer(config, i, spec.norm_before_residual) for i in range(spec.num_layers)
@@ -52,6 +55,10 @@ class EagleFamilyDrafter(DrafterBase):
         # made so far (row T-1+d must read draft d, not the last verified token that a feature clamp gives).
         tokens = torch.gather(next_ids, 1, anchors.clamp(0, next_ids.shape[1] - 1))
         return self.embed_tokens(tokens), features
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Verifier features [.., A*H] -> the drafter's hidden [.., H] (fc, after input_norm when it exists)."""
+        return self.fc(features if self.input_norm is None else self.input_norm(features))
 
     def run_layers(self, x: torch.Tensor, anchors: torch.Tensor, depths: torch.Tensor,
                    valid: torch.Tensor) -> torch.Tensor:
@@ -98,24 +105,26 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
     flat_pos = batch_index * last.shape[1] + teacher_pos  # [N]
     unique_pos, teacher_rows = torch.unique(flat_pos, return_inverse=True)  # [U], [N]
     teacher_hidden = last.reshape(-1, last.shape[-1])[unique_pos]  # [U, H]
-    student = model.lm_head(hidden[batch_index, row_index])  # [N, Vd]
+    student_hidden = hidden[batch_index, row_index]  # [N, H]; the head's [N, Vd] logits are computed blockwise
     if model.draft_ids is not None and not options.get("count_matches", True):
-        return draft_vocab_loss(model, student, teacher_hidden, teacher_rows)
+        return draft_vocab_loss(model, student_hidden, teacher_hidden, teacher_rows)
     with torch.no_grad():
         teacher = model.teacher_logits(teacher_hidden)  # [U, V]
-    return distill_rows(model, student, teacher, row_depth, teacher_rows=teacher_rows)
+    return distill_hidden_rows(model, student_hidden, teacher, row_depth, teacher_rows=teacher_rows)
 
 
-def draft_vocab_loss(model: EagleFamilyDrafter, student: torch.Tensor, teacher_hidden: torch.Tensor,
+def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                      teacher_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distillation loss of a pruned drafter without the greedy-match counts (returned as zeros [K]).
 
     The target is the verifier's distribution renormalised over the draft vocabulary, whose logits are the frozen
     LM head's rows (the verifier's rows of the draft tokens): [U, Vd] instead of the verifier's [U, V]. Only the
     counts need the full vocabulary's argmax, so steps that log no metrics skip it (option `count_matches`).
-    student [N, Vd], teacher_hidden [U, H] post-norm verifier states, teacher_rows [N] -> index into U.
+    student_hidden [N, H] the drafter's rows, teacher_hidden [U, H] post-norm verifier states, teacher_rows [N] ->
+    index into U.
     """
     with torch.no_grad():
-        teacher_probs = F.softmax(model.lm_head(teacher_hidden).float(), dim=-1)[teacher_rows]  # [N, Vd]
-    zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student.device)
-    return soft_cross_entropy(student, teacher_probs), zeros, zeros.clone()
+        teacher_probs = F.softmax(model.lm_head(teacher_hidden).float(), dim=-1)  # [U, Vd]
+    loss, _ = model.lm_head(student_hidden, teacher_probs, teacher_rows)
+    zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student_hidden.device)
+    return loss, zeros, zeros.clone()

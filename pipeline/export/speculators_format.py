@@ -57,9 +57,10 @@ def _eagle_fields(spec: DrafterSpec) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
         # vLLM assumes True when absent, speculators False: always write it.
         "norm_before_residual": spec.norm_before_residual,
-        "norm_before_fc": False,
+        "norm_before_fc": bool(spec.extra.get("norm_before_fc", False)),
         "fc_norm": False,
-        "norm_output": False,
+        # vLLM's P-EAGLE drafts without chaining hidden states, so only EAGLE-3 has a norm_output.
+        "norm_output": bool(spec.extra.get("norm_output", False)),
     }
     if spec.algorithm == "peagle":
         fields["mask_token_id"] = spec.mask_token_id
@@ -147,6 +148,13 @@ def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tenso
     verifier = config["speculators_config"]["verifier"]["name_or_path"]
     aux_key = "eagle_aux_hidden_state_layer_ids" if algorithm in EAGLE_FAMILY else "aux_hidden_state_layer_ids"
     extra = {}
+    if algorithm in EAGLE_FAMILY:
+        if config.get("fc_norm"):
+            raise PipelineError("checkpoint config.json: fc_norm (one RMSNorm per aux layer) is not supported; "
+                                "norm_before_fc is")
+        extra["norm_before_fc"] = bool(config.get("norm_before_fc", False))
+    if algorithm == "eagle3":
+        extra["norm_output"] = bool(config.get("norm_output", False))
     if algorithm in BLOCK_FAMILY:
         extra["causal_block"] = not config.get("sliding_window_non_causal", True)
     if algorithm == "dspark":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pipeline.tracking import log_metric_batch
 from pipeline.training import dist
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
 from pipeline.training.feed import plan_row, stream_micro_batches
+from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
 from pipeline.training.order import GlobalOrder
 from pipeline.training.resume import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint,
@@ -54,7 +54,7 @@ def deepspeed_config(ds: dict, training: dict, micro_batch: int, load_universal:
         "gradient_clipping": training["grad_clip"],
         "zero_optimization": {"stage": ds["zero_stage"]},
         "bf16": {"enabled": bool(ds["bf16"])},
-        # We hand DeepSpeed a torch optimizer: no op compilation on CPU and the same math on every backend.
+        # AdamW is a torch optimizer handed to DeepSpeed (Engine): DeepSpeed calls that untested.
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
@@ -69,16 +69,6 @@ def deepspeed_config(ds: dict, training: dict, micro_batch: int, load_universal:
     return config
 
 
-def warmup_cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(warmup, 1)
-        progress = (step - warmup) / max(total - warmup, 1)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return factor
-
-
 def step_seed(seed: int, step: int, rank: int) -> int:
     """The drafter's sampling (anchors, depths) at a step depends only on (seed, step, rank): resumes replay it."""
     return (seed * 1_000_003 + step * 1009 + rank) % (2**63)
@@ -89,30 +79,38 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, training: dict, ds: dict, micro_batch: int,
                  load_universal: bool = False):
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=training["lr"], weight_decay=training["weight_decay"])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_cosine(training["warmup_steps"], training["max_steps"]))
+        factor = lr_factor(training["lr_schedule"], training["warmup_steps"], training["max_steps"],
+                           training["min_lr_ratio"])
         self.uses_deepspeed = bool(ds["enabled"])
         if self.uses_deepspeed:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+            config = deepspeed_config(ds, training, micro_batch, load_universal)
+            muon = deepspeed_optimizer(training)
+            if muon:  # DeepSpeed builds its own ZeRO-aware Muon from the config
+                config["optimizer"] = muon
+                client, params = None, deepspeed_param_groups(model, training)
+            else:  # a torch AdamW handed to DeepSpeed: no op compilation on CPU, the same math on every backend
+                (client,), params = torch_optimizers(model, training), None
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                config=deepspeed_config(ds, training, micro_batch, load_universal))
+                model=model, optimizer=client, model_parameters=params, config=config,
+                lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
             self.module = self.engine.module
         else:  # DeepSpeed places the model itself
-            self.module, self.optimizer, self.scheduler = model.to(dist.device()), optimizer, scheduler
-            self.params, self.clip, self.accum = params, training["grad_clip"], training["grad_accum_steps"]
+            self.module = model.to(dist.device())
+            self.optimizers = torch_optimizers(self.module, training)
+            self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
+            self.params = [p for p in self.module.parameters() if p.requires_grad]
+            self.clip, self.accum = training["grad_clip"], training["grad_accum_steps"]
 
     def save_state(self, folder: Path) -> None:
         """Optimizer, scheduler (and, with DeepSpeed, weights) into `folder`; every rank calls it."""
         if self.uses_deepspeed:
             self.engine.save_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
         elif dist.is_rank_zero():
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       folder / OPTIMIZER_FILE)
+            torch.save({"optimizers": [o.state_dict() for o in self.optimizers],
+                        "schedulers": [s.state_dict() for s in self.schedulers]}, folder / OPTIMIZER_FILE)
 
     def full_weights(self):
         """Context in which the module holds whole tensors: ZeRO-3 partitions them over the ranks, so every rank
@@ -129,8 +127,14 @@ class Engine:
         if not self.uses_deepspeed:
             load_trainable_weights(self.module, point.folder)
             state = torch.load(point.folder / OPTIMIZER_FILE, weights_only=True)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            saved = state.get("optimizers", [state.get("optimizer")])  # one AdamW before training.optimizer
+            if len(saved) != len(self.optimizers):
+                raise RuntimeError(f"checkpoint {point.folder} holds {len(saved)} optimizer states, this run's "
+                                   f"training.optimizer has {len(self.optimizers)}")
+            for optimizer, optimizer_state in zip(self.optimizers, saved):
+                optimizer.load_state_dict(optimizer_state)
+            for scheduler, scheduler_state in zip(self.schedulers, state.get("schedulers", [state.get("scheduler")])):
+                scheduler.load_state_dict(scheduler_state)
             return
         if needs_universal(point, dist.world_size(), self.zero_stage()):
             self.engine.load_checkpoint(str(convert_to_universal(point, scratch)), tag=UNIVERSAL_TAG)
@@ -152,15 +156,18 @@ class Engine:
             if param.grad is not None:
                 dist.all_reduce_sum(param.grad).div_(dist.world_size())
         torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
     def zero_stage(self) -> int:
         return int(self.engine.zero_optimization_stage()) if self.uses_deepspeed else -1
 
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The current learning rate of the last parameter group: AdamW's (with Muon, the non-matrix half's)."""
+        groups = self.optimizer.param_groups if self.uses_deepspeed else self.optimizers[-1].param_groups
+        return float(groups[-1]["lr"])
 
 
 class StoreData:

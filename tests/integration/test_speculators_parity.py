@@ -84,8 +84,10 @@ def _eager_loss_kwargs(algorithm):
     return kwargs
 
 
-def test_eagle3_ttt_logits_match(tmp_path, verifier_config, tiny_verifier_path):
-    ours = _ours("eagle3", verifier_config, tiny_verifier_path)
+@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True, "norm_output": True}], ids=["plain", "normed"])
+def test_eagle3_ttt_logits_match(options, tmp_path, verifier_config, tiny_verifier_path):
+    ours = _ours("eagle3", verifier_config, tiny_verifier_path, **options)
+    assert (ours.input_norm is not None) == bool(options) and ours.norm_output == bool(options)
     folder = export_speculators(ours, tmp_path / "eagle3", dtype=torch.float32)
     theirs = _theirs(folder)
     aux, next_ids, _ = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, seed=1)
@@ -103,10 +105,11 @@ def test_eagle3_ttt_logits_match(tmp_path, verifier_config, tiny_verifier_path):
         assert torch.allclose(mine[rows], logits[depth][0, inside], atol=TOLERANCE), depth
 
 
-def test_peagle_parallel_logits_match(tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True}], ids=["plain", "normed"])
+def test_peagle_parallel_logits_match(options, tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
     import speculators.models.peagle.core as peagle_core
 
-    ours = _ours("peagle", verifier_config, tiny_verifier_path)
+    ours = _ours("peagle", verifier_config, tiny_verifier_path, **options)
     folder = export_speculators(ours, tmp_path / "peagle", dtype=torch.float32)
     theirs = _theirs(folder)
     aux, next_ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, seed=2)
@@ -160,7 +163,8 @@ def test_block_drafter_logits_match(algorithm, tmp_path, verifier_config, tiny_v
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash", "dspark"])
 def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, verifier_config,
                                                            tiny_verifier_path):
-    ours = _ours(algorithm, verifier_config, tiny_verifier_path, causal_block=True)
+    ours = _ours(algorithm, verifier_config, tiny_verifier_path, causal_block=True, norm_before_fc=True,
+                 norm_output=True)  # each drafter keeps the options it has (spec.extra)
     if algorithm == "dspark":
         ours.spec.extra["confidence_threshold"] = 0.4  # the export records the evaluated threshold
     kept = sorted(torch.randperm(ours.spec.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist())

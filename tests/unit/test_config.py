@@ -85,6 +85,12 @@ def test_wrong_type_is_refused_naming_the_field():
     ("training.val_tau_max_new_tokens=0", "training.val_tau_max_new_tokens"),
     ("training.select_best_by=val.loss", "training.select_best_by"),
     ("training.select_best_by=val.tau", "training.select_best_by"),  # with no val.tau measured
+    ("training.optimizer=sgd", "training.optimizer"),
+    ("training.lr_schedule=step", "training.lr_schedule"),
+    ("training.min_lr_ratio=1.5", "training.min_lr_ratio"),
+    ("training.muon_lr=0", "training.muon_lr"),
+    ("training.muon_momentum=1.0", "training.muon_momentum"),
+    ("training.muon_weight_decay=-0.1", "training.muon_weight_decay"),
 ])
 def test_semantic_validation_names_the_field(override, field):
     with pytest.raises(PipelineError, match=field.replace(".", r"\.")):

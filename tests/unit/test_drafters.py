@@ -77,15 +77,21 @@ def test_eagle_family_changing_a_future_token_never_changes_earlier_rows(algorit
         assert not torch.allclose(base[~unaffected], changed[~unaffected], atol=1e-5)
 
 
-def test_eagle3_draft_equals_its_training_forward_fed_its_own_drafts():
-    model = tiny_drafter("eagle3")
-    aux, next_ids = _context(9, 4)
-    drafts = model.draft(aux, next_ids, 4)
-    tokens = torch.cat([next_ids, drafts[None, :3]], dim=1)  # the TTT rows read the drafted tokens
-    anchors = torch.cat([torch.arange(9), torch.full((3,), 8)])
-    depths = torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(1, 4)])
-    hidden = model(aux, tokens, anchors[None], depths[None], torch.ones(1, 12, dtype=torch.bool))[0]
-    assert torch.equal(model.lm_head(hidden[[8, 9, 10, 11]]).argmax(-1), drafts)
+@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True}, {"norm_before_fc": True, "norm_output": True}])
+def test_eagle3_draft_equals_its_training_forward_fed_its_own_drafts(options):
+    model = tiny_drafter("eagle3", **options)
+    with torch.no_grad():  # every trained tensor off its init, so a norm applied in one path only shows
+        for tensor in model.parameters():
+            if tensor.requires_grad:
+                tensor.add_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(7)) * 0.3)
+    for seed in range(4):
+        aux, next_ids = _context(9, seed)
+        drafts = model.draft(aux, next_ids, 4)
+        tokens = torch.cat([next_ids, drafts[None, :3]], dim=1)  # the TTT rows read the drafted tokens
+        anchors = torch.cat([torch.arange(9), torch.full((3,), 8)])
+        depths = torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(1, 4)])
+        hidden = model(aux, tokens, anchors[None], depths[None], torch.ones(1, 12, dtype=torch.bool))[0]
+        assert torch.equal(model.lm_head(hidden[[8, 9, 10, 11]]).argmax(-1), drafts), seed
 
 
 def test_eagle3_chain_rows_read_the_drafted_tokens_past_the_verified_context():

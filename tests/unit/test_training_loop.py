@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.training.loop import Engine, deepspeed_config, native_bf16, resolve_autocast, warmup_cosine
+from pipeline.training.loop import Engine, deepspeed_config, native_bf16, resolve_autocast
+from pipeline.training.optim import lr_factor
 from pipeline.training.order import GlobalOrder, pack_to_token_budget
 from pipeline.training.resume import ResumePoint, check_same_data_order, micro_batch_for, read_resume_point
 from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
 
 TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
-            "warmup_steps": 2, "max_steps": 10}
+            "warmup_steps": 2, "max_steps": 10, "optimizer": "adamw", "muon_lr": 0.02, "muon_momentum": 0.95,
+            "muon_weight_decay": 0.0, "lr_schedule": "cosine", "min_lr_ratio": 0.1}
 
 
 def test_the_global_order_is_seeded_reshuffled_each_epoch_and_free_of_the_world_size():
@@ -84,7 +86,7 @@ def test_auto_autocast_uses_bf16_only_where_the_cpu_computes_it_natively():
 
 
 def test_warmup_then_cosine_to_a_tenth():
-    factor = warmup_cosine(warmup=4, total=20)
+    factor = lr_factor("cosine", warmup=4, total=20, min_ratio=0.1)
     assert [round(factor(s), 3) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert factor(20) == 0.1 and all(factor(s) >= factor(s + 1) for s in range(4, 20))
 
@@ -111,7 +113,8 @@ def test_plain_engine_steps_and_follows_the_schedule():
         engine.backward_and_step(loss)
         lrs.append(engine.lr())
     assert not torch.equal(before, model.fc.weight)
-    assert lrs == [3e-3, 3e-3 * warmup_cosine(2, 10)(2), 3e-3 * warmup_cosine(2, 10)(3)]
+    factor = lr_factor("cosine", 2, 10, 0.1)
+    assert lrs == [3e-3, 3e-3 * factor(2), 3e-3 * factor(3)]
 
 
 def test_plain_engine_accumulates_micro_batches_into_one_step():

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
 from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
-from pipeline.losses.distill import distill_rows, on_model_device, pad_stack
+from pipeline.losses.distill import distill_hidden_rows, distill_rows, on_model_device, pad_stack
 
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act",
@@ -83,6 +83,9 @@ class DFlashDrafter(DrafterBase):
     # Slot k drafts token p + k + this: DFlash's slot 0 is the known anchor token; DSpark samples from it too.
     sample_from_anchor = False
     extra_keys = ("causal_block",)
+    # Whether correct_logits adds anything to the head's logits (DSpark's Markov bias); without, the loss never
+    # materialises the logits (pipeline.losses.blockwise).
+    biases_logits = False
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec)
@@ -203,8 +206,11 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     with torch.no_grad():
         teacher = model.teacher_logits(last[b, before])  # the verifier's next-token view there
     rows = hidden[b, n, j]  # [M, H]
-    student = model.correct_logits(model.lm_head(rows), previous)
     weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0)).to(rows.device)[j]
+    if not model.biases_logits:  # the head's [M, Vd] logits are computed blockwise, never held
+        loss, correct, total = distill_hidden_rows(model, rows, teacher, j, weights)
+        return loss, correct, total, {"hidden": rows, "previous": previous, "teacher": teacher, "weights": weights}
+    student = model.correct_logits(model.lm_head(rows), previous)
     loss, correct, total = distill_rows(model, student, teacher, j, weights)
     extras = {"hidden": rows, "previous": previous, "student": student, "teacher": teacher, "weights": weights}
     return loss, correct, total, extras

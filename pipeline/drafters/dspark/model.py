@@ -46,6 +46,7 @@ class DSparkDrafter(DFlashDrafter):
     algorithm = "dspark"
     sample_from_anchor = True
     extra_keys = ("causal_block", "markov_rank")
+    biases_logits = True
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec, init_std)

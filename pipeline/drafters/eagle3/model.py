@@ -36,16 +36,19 @@ def rows_needed(depths: torch.Tensor, valid: torch.Tensor, step: int) -> int:
 class Eagle3Drafter(EagleFamilyDrafter):
     algorithm = "eagle3"
     sparsifies_depth = False
+    extra_keys = ("norm_before_fc", "norm_output")
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec)
+        self.norm_output = bool(spec.extra.get("norm_output"))
         self.init_linear_weights(init_std)
 
     def _rows_input(self, aux_hidden, next_ids, anchors, depths, chain_hidden):
         """[B, R, 2H]: real rows get fc(features), chain rows the previous depth's output; both their token."""
         embeds, features = self.real_row_inputs(aux_hidden, next_ids, anchors + depths)
         real = (depths == 0)[..., None]
-        fused = self.fc(features) if chain_hidden is None else torch.where(real, self.fc(features), chain_hidden)
+        fused = self.fuse(features)
+        fused = fused if chain_hidden is None else torch.where(real, fused, chain_hidden)
         return torch.cat([embeds.to(fused.dtype), fused], dim=-1)
 
     def forward(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, anchors: torch.Tensor,
@@ -66,8 +69,13 @@ class Eagle3Drafter(EagleFamilyDrafter):
             out = self.run_layers(self._rows_input(aux_hidden, next_ids, rows[0], rows[1], chain), *rows)
             out = torch.nn.functional.pad(out, (0, 0, 0, anchors.shape[1] - span))  # [B, R, H]
             outputs = out if outputs is None else torch.where((depths == step)[..., None], out, outputs)
-            chain_hidden = torch.gather(outputs, 1, parents[..., None].expand_as(outputs))
+            chain_hidden = torch.gather(self.chained(outputs), 1, parents[..., None].expand_as(outputs))
         return self.norm(outputs)
+
+    def chained(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next depth reads of a row's output [.., H]: pre-norm, or post-norm with norm_output (vLLM's
+        `aux_output`)."""
+        return self.norm(out) if self.norm_output else out
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
@@ -85,5 +93,5 @@ class Eagle3Drafter(EagleFamilyDrafter):
             target_id = self.to_target_ids(draft_id)
             drafts.append(target_id)
             tokens = torch.cat([tokens, target_id[None]], dim=1)  # row (last, depth + 1) reads this token
-            chain_hidden = torch.cat([chain_hidden, out[:, -1:]], dim=1)
+            chain_hidden = torch.cat([chain_hidden, self.chained(out[:, -1:])], dim=1)
         return torch.cat(drafts)

@@ -38,7 +38,7 @@ class PEagleDrafter(EagleFamilyDrafter):
         features = torch.where(real, features, self.mask_hidden.to(features.dtype))  # [B, R, A*H]
         mask_embed = self.embed_tokens.weight[self.spec.mask_token_id].to(features.dtype)
         embeds = torch.where(real, embeds.to(features.dtype), mask_embed)
-        x = torch.cat([embeds, self.fc(features)], dim=-1)  # [B, R, 2H]
+        x = torch.cat([embeds, self.fuse(features)], dim=-1)  # [B, R, 2H]
         return self.norm(self.run_layers(x, anchors, depths, valid))
 
     @torch.no_grad()

@@ -1,0 +1,77 @@
+"""The draft LM head's distillation loss, a block of rows at a time (a fused linear + soft cross-entropy).
+
+A drafter's head is the verifier's frozen LM head (its draft-vocabulary rows), so the only gradient it passes back
+is the one to the hidden states: d loss / d hidden = (softmax(logits) - teacher) * w @ W. The forward computes that
+gradient and the greedy picks block by block, so the [N, Vd] student logits, their log-softmax and their gradient
+are never held whole (at Vd = 49,152 a batch's logits alone are hundreds of MB, and each pass over them is memory
+bound). The technique is the fused linear cross-entropy of Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989),
+here with soft targets. Math only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK_ROWS = 64  # rows of logits alive at once: [64, Vd] fp32 is 12.6 MB at Vd = 49,152
+
+
+class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_probs, teacher_rows, row_weights, block_rows):
+        """hidden [N, H]; weight [Vd, H] (frozen); teacher_probs [U, Vd] (rows sum to 1); teacher_rows [N] index
+        into U; row_weights [N] (sum to 1) -> (sum_i w_i CE(teacher_i, softmax(hidden_i W^T)) [], argmax [N])."""
+        count = hidden.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        drafted = torch.empty(count, dtype=torch.long, device=hidden.device)
+        for start in range(0, count, block_rows):
+            rows = slice(start, min(start + block_rows, count))
+            logits = (hidden[rows] @ weight.t()).float()  # [b, Vd]
+            target = teacher_probs[teacher_rows[rows]]  # [b, Vd]
+            weights = row_weights[rows]  # [b]
+            drafted[rows] = logits.argmax(dim=-1)
+            # CE(p, q) = logsumexp(logits) - <p, logits> for p summing to 1
+            per_row = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(target, logits)
+            loss += (per_row * weights).sum()
+            grad_logits = torch.softmax(logits, dim=-1).sub_(target).mul_(weights[:, None])  # [b, Vd]
+            grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(drafted)
+        return loss, drafted
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_drafted):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+
+
+class DraftHead(nn.Linear):
+    """The drafter's (frozen) LM head. Called with hidden states alone it is a plain linear layer; called with a
+    teacher it returns the distillation loss and greedy picks blockwise (`blockwise_soft_cross_entropy`). Both go
+    through the module's call, so ZeRO-3 gathers the partitioned weight for either."""
+
+    def forward(self, hidden: torch.Tensor, teacher_probs: torch.Tensor | None = None,
+                teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None):
+        if teacher_probs is None:
+            return F.linear(hidden, self.weight)
+        return blockwise_soft_cross_entropy(hidden, self.weight, teacher_probs, teacher_rows, row_weights)
+
+
+def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher_probs: torch.Tensor,
+                                 teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                                 block_rows: int = BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [], argmax [N]) of the student logits hidden @ weight^T against teacher probabilities.
+
+    hidden [N, H]; weight [Vd, H], which gets no gradient (the verifier's frozen head); teacher_probs [U, Vd];
+    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None. The loss is the
+    (weighted) mean over rows of CE(teacher, student), the same value as `soft_cross_entropy` on the materialised
+    logits; argmax is each row's greedy draft-vocabulary id."""
+    if weight.requires_grad:
+        raise ValueError("blockwise_soft_cross_entropy: the head weight must be frozen (it gets no gradient)")
+    count = hidden.shape[0]
+    rows = teacher_rows if teacher_rows is not None else torch.arange(count, device=hidden.device)
+    weights = (torch.full((count,), 1.0 / max(count, 1), device=hidden.device) if row_weights is None
+               else row_weights.float() / row_weights.float().sum().clamp_min(1e-12))
+    return _BlockwiseSoftCrossEntropy.apply(hidden, weight, teacher_probs.float(), rows, weights, block_rows)

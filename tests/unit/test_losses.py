@@ -1,0 +1,74 @@
+"""The blockwise head loss equals the materialised one: loss, gradient to the hidden states and greedy picks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.losses.blockwise import DraftHead, blockwise_soft_cross_entropy
+from pipeline.losses.distill import distill_hidden_rows, distill_rows, soft_cross_entropy
+
+
+def _problem(rows=37, teachers=11, hidden=16, vocab=300, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    student = torch.randn(rows, hidden, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=generator) * 0.5
+    teacher_probs = F.softmax(torch.randn(teachers, vocab, generator=generator) * 3, dim=-1)
+    teacher_rows = torch.randint(0, teachers, (rows,), generator=generator)
+    row_weights = torch.rand(rows, generator=generator) + 0.1
+    return student, weight, teacher_probs, teacher_rows, row_weights
+
+
+@pytest.mark.parametrize("block_rows", [1, 8, 37, 64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_blockwise_equals_the_materialised_loss_gradient_and_argmax(block_rows, weighted):
+    student, weight, teacher_probs, teacher_rows, row_weights = _problem()
+    weights = row_weights if weighted else None
+    logits = student @ weight.t()
+    expected = soft_cross_entropy(logits, teacher_probs[teacher_rows], weights)
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    loss, drafted = blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows, weights,
+                                                 block_rows=block_rows)
+    (grad,) = torch.autograd.grad(loss * 2.5, student)  # an outer factor reaches the hidden states' gradient
+    assert torch.allclose(loss, expected, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(grad, 2.5 * expected_grad, atol=1e-6, rtol=1e-4)
+    assert torch.equal(drafted, logits.argmax(dim=-1))
+
+
+def test_a_head_that_trains_is_refused():
+    student, weight, teacher_probs, teacher_rows, _ = _problem()
+    with pytest.raises(ValueError, match="must be frozen"):
+        blockwise_soft_cross_entropy(student, weight.requires_grad_(True), teacher_probs, teacher_rows)
+
+
+def test_draft_head_is_a_linear_layer_without_a_teacher():
+    head = DraftHead(16, 300, bias=False)
+    hidden = torch.randn(5, 16)
+    assert torch.equal(head(hidden), F.linear(hidden, head.weight))
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_distill_hidden_rows_equals_distill_rows_on_the_heads_logits(pruned):
+    student, weight, _, teacher_rows, row_weights = _problem(vocab=300)
+    generator = torch.Generator().manual_seed(3)
+    teacher_full = torch.randn(11, 400, generator=generator)  # the verifier's 400-token vocabulary
+    draft_ids = torch.randperm(400, generator=generator)[:300].sort().values if pruned else torch.arange(300)
+    head = DraftHead(16, 300, bias=False).requires_grad_(False)
+    head.weight.copy_(weight)
+    model = SimpleNamespace(
+        lm_head=head, spec=SimpleNamespace(num_speculative_tokens=3),
+        to_draft_vocab=lambda logits: logits[..., draft_ids], to_target_ids=lambda ids: draft_ids[ids])
+    depths = torch.arange(student.shape[0]) % 3
+    with torch.no_grad():  # the verifier agrees with the student's greedy pick on the first rows
+        picks = draft_ids[(student[:6] @ weight.t()).argmax(dim=-1)]
+        teacher_full[teacher_rows[:6], picks] += 100.0
+    expected = distill_rows(model, head(student), teacher_full, depths, row_weights, teacher_rows)
+    (expected_grad,) = torch.autograd.grad(expected[0], student)
+    got = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows)
+    (grad,) = torch.autograd.grad(got[0], student)
+    assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.allclose(grad, expected_grad, atol=1e-6)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+    assert expected[1].sum() > 0  # some rows match, so equal counts say something

@@ -1,0 +1,104 @@
+"""training.optimizer and training.lr_schedule: which tensors Muon updates, the schedules' shapes, and a plain
+(DeepSpeed-free) engine that steps, saves and resumes both optimizers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.training.checkpoint import save_checkpoint
+from pipeline.training.loop import Engine
+from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
+from pipeline.training.resume import ResumePoint
+from tests.unit.test_training_loop import TRAINING
+from tests.unit.tiny_drafters import OPTIONS, tiny_drafter, tiny_samples
+
+MUON = {**TRAINING, "optimizer": "muon", "muon_weight_decay": 0.1, "weight_decay": 0.01}
+
+
+def test_linear_schedule_falls_to_its_floor_at_the_last_step():
+    factor = lr_factor("linear", warmup=2, total=12, min_ratio=0.0)
+    assert [factor(s) for s in (0, 1, 2, 7, 12, 20)] == [0.5, 1.0, 1.0, 0.5, 0.0, 0.0]
+    assert lr_factor("linear", 2, 12, 0.2)(7) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="training.lr_schedule: 'step'"):
+        lr_factor("step", 2, 12, 0.0)
+
+
+def _names(model, params) -> set[str]:
+    ids = {id(p) for p in params}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "dspark"])
+def test_muon_takes_the_weight_matrices_and_adamw_the_rest(algorithm):
+    model = tiny_drafter(algorithm)
+    muon, adamw = torch_optimizers(model, MUON)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    on_muon = _names(model, [p for g in muon.param_groups for p in g["params"]])
+    on_adamw = _names(model, [p for g in adamw.param_groups for p in g["params"]])
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert on_muon | on_adamw == trainable and not on_muon & on_adamw  # every trainable tensor once, frozen none
+    assert "fc.weight" in on_muon and "layers.0.self_attn.q_proj.weight" in on_muon
+    assert all(model.get_parameter(name).ndim == 2 for name in on_muon)
+    assert {"layers.0.input_layernorm.weight", "norm.weight"} <= on_adamw
+    if algorithm == "peagle":
+        assert "mask_hidden" in on_adamw  # a [1, 1, A*H] vector is no matrix
+    if algorithm == "dspark":
+        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= on_adamw  # vocabulary matrices
+    assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["weight_decay"] == 0.1
+    assert adamw.param_groups[0]["lr"] == MUON["lr"] and adamw.param_groups[0]["weight_decay"] == 0.01
+    assert torch_optimizers(model, TRAINING)[0].param_groups[0]["params"] == [
+        p for p in model.parameters() if p.requires_grad]
+
+
+def test_deepspeed_muon_gets_its_config_block_and_one_group_per_weight_decay():
+    assert deepspeed_optimizer(TRAINING) is None  # AdamW stays a client optimizer
+    block = deepspeed_optimizer(MUON)
+    assert block["type"] == "Muon" and block["params"]["muon_lr"] == 0.02 and block["params"]["lr"] == MUON["lr"]
+    model = tiny_drafter("peagle")
+    matrices, rest = deepspeed_param_groups(model, MUON)
+    assert matrices["weight_decay"] == 0.1 and rest["weight_decay"] == 0.01
+    assert "mask_hidden" in _names(model, matrices["params"])  # DeepSpeed tags every tensor of 2+ dimensions
+    assert _names(model, rest["params"]) == {name for name, p in model.named_parameters()
+                                             if p.requires_grad and p.ndim < 2}
+
+
+def _step(engine: Engine, samples) -> float:
+    loss, _, _ = engine.module.training_loss(samples, {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0})
+    engine.backward_and_step(loss)
+    return float(loss)
+
+
+def test_plain_engine_with_muon_trains_both_halves_and_resumes_the_same_curve(tmp_path: Path):
+    samples = tiny_samples(2)
+    engine = Engine(tiny_drafter("peagle"), MUON, {"enabled": False}, micro_batch=2)
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters() if p.requires_grad}
+    losses = [_step(engine, samples) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    moved = {name for name, p in engine.module.named_parameters() if name in before
+             and not torch.equal(before[name], p)}
+    assert {"fc.weight", "mask_hidden", "norm.weight"} <= moved  # Muon's and AdamW's tensors both train
+    folder = tmp_path / "checkpoint"
+    save_checkpoint(folder, engine.module, {"step": 3})
+    engine.save_state(folder)
+    uninterrupted = [_step(engine, samples) for _ in range(2)]
+
+    resumed = Engine(tiny_drafter("peagle"), MUON, {"enabled": False}, micro_batch=2)
+    point = ResumePoint(folder, step=3, global_batch=2, world_size=1, zero_stage=-1, uses_deepspeed=False,
+                        token_budget=0, val_samples=0)
+    resumed.load_state(point, tmp_path / "scratch")
+    assert [_step(resumed, samples) for _ in range(2)] == pytest.approx(uninterrupted, abs=1e-6)
+    assert resumed.lr() == engine.lr()  # the schedules were restored with the optimizer states
+
+
+def test_a_resume_with_another_optimizer_is_refused(tmp_path: Path):
+    engine = Engine(tiny_drafter("peagle"), TRAINING, {"enabled": False}, micro_batch=2)
+    save_checkpoint(tmp_path, engine.module, {"step": 1})
+    engine.save_state(tmp_path)
+    muon = Engine(tiny_drafter("peagle"), MUON, {"enabled": False}, micro_batch=2)
+    point = ResumePoint(tmp_path, step=1, global_batch=2, world_size=1, zero_stage=-1, uses_deepspeed=False,
+                        token_budget=0, val_samples=0)
+    with pytest.raises(RuntimeError, match="holds 1 optimizer states, this run's training.optimizer has 2"):
+        muon.load_state(point, tmp_path / "scratch")
