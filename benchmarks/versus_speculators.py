@@ -80,14 +80,24 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     # this run's own export (a work root reused with other settings holds others beside it)
     return {"cfg": cfg, "paths": paths, "export": paths.export, "report": report,
             "seconds": round(time.perf_counter() - started, 1),
-            "recipe": {"optimizer": f"AdamW (torch defaults), weight decay {training.weight_decay}",
-                       "lr": float(training.lr),
-                       "schedule": f"linear warmup {training.warmup_steps} steps, cosine to 0.1 x lr",
+            "recipe": {"optimizer": _our_optimizer(training), "lr": float(training.lr),
+                       "schedule": f"linear warmup {training.warmup_steps} steps, {training.lr_schedule} to "
+                                   f"{training.min_lr_ratio} x lr",
+                       "drafter": {key: cfg.drafter[key] for key in ("norm_before_fc", "norm_output",
+                                                                      "max_anchors", "depth_keep_decay")},
                        "grad_clip": float(training.grad_clip), "workers": int(training.num_workers),
                        "micro_batch_size": int(training.micro_batch_size),
                        "sequences_per_step": int(training.num_workers) * int(training.micro_batch_size)
                        * int(training.grad_accum_steps),
                        "trainer": "Ray Train TorchTrainer + DeepSpeed (pipeline/training/loop.py)"}}
+
+
+def _our_optimizer(training) -> str:
+    if training.optimizer == "muon":
+        return (f"Muon (lr {training.muon_lr}, momentum {training.muon_momentum}, weight decay "
+                f"{training.muon_weight_decay}) on the matrices + AdamW (weight decay {training.weight_decay}) on "
+                f"the rest, DeepSpeed's MuonWithAuxAdam")
+    return f"AdamW (torch defaults), weight decay {training.weight_decay}"
 
 
 # ---------------------------------------------------------------------------------------------------------- theirs

@@ -18,13 +18,22 @@ def attention_allowed(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.
     A row sees every real row at or before its anchor (the real context) and the earlier rows of its own chain;
     never another chain. Padding rows see only themselves so softmax stays finite.
     """
-    a_q, a_k = anchors[:, :, None], anchors[:, None, :]
-    d_q, d_k = depths[:, :, None], depths[:, None, :]
+    return attention_allowed_to(anchors, depths, valid, anchors, depths, valid)
+
+
+def attention_allowed_to(q_anchors: torch.Tensor, q_depths: torch.Tensor, q_valid: torch.Tensor,
+                         k_anchors: torch.Tensor, k_depths: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+    """`attention_allowed` between query rows [B, Q] and key rows [B, K] whose last Q entries are the queries
+    themselves (rows computed earlier come first, as in a KV cache) -> [B, Q, K] bool."""
+    a_q, a_k = q_anchors[:, :, None], k_anchors[:, None, :]
+    d_q, d_k = q_depths[:, :, None], k_depths[:, None, :]
     real_context = (d_k == 0) & (a_k <= a_q)
     own_chain = (d_k > 0) & (a_k == a_q) & (d_k <= d_q)
-    allowed = (real_context | own_chain) & valid[:, :, None] & valid[:, None, :]
-    eye = torch.eye(anchors.shape[1], dtype=torch.bool, device=anchors.device)
-    return allowed | (eye & ~valid[:, :, None])
+    allowed = (real_context | own_chain) & q_valid[:, :, None] & k_valid[:, None, :]
+    queries, keys = q_anchors.shape[1], k_anchors.shape[1]
+    itself = torch.zeros(queries, keys, dtype=torch.bool, device=q_anchors.device)
+    itself[:, keys - queries:] = torch.eye(queries, dtype=torch.bool, device=q_anchors.device)
+    return allowed | (itself & ~q_valid[:, :, None])
 
 
 def sample_training_rows(

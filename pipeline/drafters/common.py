@@ -165,7 +165,9 @@ class EagleDecoderLayer(nn.Module):
             self.self_attn.k_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
             self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, position_embeddings, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_embeddings, attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
+        """x [B, Q, 2H] (first layer) or [B, Q, H]; attention_mask [B, 1, Q, K] additive; cache: a transformers
+        Cache holding the keys and values of earlier rows (K - Q of them), extended with these rows', or None."""
         if self.is_first:
             embeds, hidden = x.chunk(2, dim=-1)  # [B, R, H] each
             residual = hidden
@@ -177,7 +179,8 @@ class EagleDecoderLayer(nn.Module):
             residual = x
             attn_in = self.input_layernorm(x)
         attn_out, _ = self.self_attn(
-            hidden_states=attn_in, position_embeddings=position_embeddings, attention_mask=attention_mask
+            hidden_states=attn_in, position_embeddings=position_embeddings, attention_mask=attention_mask,
+            past_key_values=cache,
         )
         x = residual + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))

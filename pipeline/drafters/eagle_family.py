@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.drafters.chains import attention_allowed, sample_training_rows
+from pipeline.drafters.chains import attention_allowed, attention_allowed_to, sample_training_rows
 from pipeline.drafters.common import DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
@@ -69,6 +69,20 @@ class EagleFamilyDrafter(DrafterBase):
             x = layer(x, position_embeddings, mask)
         return x
 
+    def run_layers_cached(self, x: torch.Tensor, rows: tuple[torch.Tensor, ...], keys: tuple[torch.Tensor, ...],
+                          cache) -> torch.Tensor:
+        """Decoder layers over new rows [B, Q, 2H] -> pre-norm hidden [B, Q, H], attending to the keys and values of
+        the rows run before (`cache`, a transformers Cache that this call extends) and to their own.
+
+        rows: (anchors, depths, valid) [B, Q] of the new rows; keys: the same [B, K] for every row the cache will
+        hold after this call, the new rows last."""
+        anchors, depths, _ = rows
+        position_embeddings = self.rotary_emb(x, anchors + depths)
+        mask = additive_mask(attention_allowed_to(*rows, *keys), x.dtype)
+        for layer in self.layers:
+            x = layer(x, position_embeddings, mask, cache)
+        return x
+
     def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
                       generator: torch.Generator | None = None):
         return chain_loss(self, samples, options, generator)
@@ -110,7 +124,7 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
         return draft_vocab_loss(model, student_hidden, teacher_hidden, teacher_rows)
     with torch.no_grad():
         teacher = model.teacher_logits(teacher_hidden)  # [U, V]
-    return distill_hidden_rows(model, student_hidden, teacher, row_depth, teacher_rows=teacher_rows)
+    return distill_hidden_rows(model, student_hidden, teacher, row_depth, teacher_rows=teacher_rows)[:3]
 
 
 def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -125,6 +139,6 @@ def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, te
     """
     with torch.no_grad():
         teacher_probs = F.softmax(model.lm_head(teacher_hidden).float(), dim=-1)  # [U, Vd]
-    loss, _ = model.lm_head(student_hidden, teacher_probs, teacher_rows)
+    loss, _, _ = model.lm_head(student_hidden, teacher_probs, teacher_rows)
     zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student_hidden.device)
     return loss, zeros, zeros.clone()

@@ -19,59 +19,80 @@ BLOCK_ROWS = 64  # rows of logits alive at once: [64, Vd] fp32 is 12.6 MB at Vd 
 
 class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_probs, teacher_rows, row_weights, block_rows):
+    def forward(ctx, hidden, weight, teacher_probs, teacher_rows, row_weights, block_rows, bias, with_acceptance):
         """hidden [N, H]; weight [Vd, H] (frozen); teacher_probs [U, Vd] (rows sum to 1); teacher_rows [N] index
-        into U; row_weights [N] (sum to 1) -> (sum_i w_i CE(teacher_i, softmax(hidden_i W^T)) [], argmax [N])."""
+        into U; row_weights [N] (sum to 1); bias [N, Vd] added to the logits, or None ->
+        (sum_i w_i CE(teacher_i, softmax(hidden_i W^T + bias_i)) [], argmax [N], 1 - TV(student, teacher) [N])."""
         count = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
+        grad_bias = torch.empty_like(bias) if bias is not None else None
         drafted = torch.empty(count, dtype=torch.long, device=hidden.device)
+        acceptance = torch.empty(count if with_acceptance else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, count, block_rows):
             rows = slice(start, min(start + block_rows, count))
             logits = (hidden[rows] @ weight.t()).float()  # [b, Vd]
+            if bias is not None:
+                logits += bias[rows].float()
             target = teacher_probs[teacher_rows[rows]]  # [b, Vd]
             weights = row_weights[rows]  # [b]
             drafted[rows] = logits.argmax(dim=-1)
             # CE(p, q) = logsumexp(logits) - <p, logits> for p summing to 1
             per_row = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(target, logits)
             loss += (per_row * weights).sum()
-            grad_logits = torch.softmax(logits, dim=-1).sub_(target).mul_(weights[:, None])  # [b, Vd]
+            grad_logits = torch.softmax(logits, dim=-1).sub_(target)  # [b, Vd]: q - p
+            if with_acceptance:
+                acceptance[rows] = 1.0 - 0.5 * grad_logits.abs().sum(dim=-1)
+            grad_logits.mul_(weights[:, None])
             grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(drafted)
-        return loss, drafted
+            if grad_bias is not None:
+                grad_bias[rows] = grad_logits.to(grad_bias.dtype)
+        ctx.save_for_backward(grad_hidden, grad_bias)
+        ctx.mark_non_differentiable(drafted, acceptance)
+        return loss, drafted, acceptance
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_drafted):
-        (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+    def backward(ctx, grad_loss, _grad_drafted, _grad_acceptance):
+        grad_hidden, grad_bias = ctx.saved_tensors
+        scale = grad_loss.to(grad_hidden.dtype)
+        return (grad_hidden * scale, None, None, None, None, None,
+                grad_bias * scale if grad_bias is not None else None, None)
 
 
 class DraftHead(nn.Linear):
     """The drafter's (frozen) LM head. Called with hidden states alone it is a plain linear layer; called with a
-    teacher it returns the distillation loss and greedy picks blockwise (`blockwise_soft_cross_entropy`). Both go
-    through the module's call, so ZeRO-3 gathers the partitioned weight for either."""
+    teacher it returns the distillation loss, greedy picks and acceptance blockwise (`blockwise_soft_cross_entropy`).
+    Both go through the module's call, so ZeRO-3 gathers the partitioned weight for either."""
 
     def forward(self, hidden: torch.Tensor, teacher_probs: torch.Tensor | None = None,
-                teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None):
+                teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, with_acceptance: bool = False):
         if teacher_probs is None:
             return F.linear(hidden, self.weight)
-        return blockwise_soft_cross_entropy(hidden, self.weight, teacher_probs, teacher_rows, row_weights)
+        return blockwise_soft_cross_entropy(hidden, self.weight, teacher_probs, teacher_rows, row_weights,
+                                            bias=bias, with_acceptance=with_acceptance)
 
 
 def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher_probs: torch.Tensor,
                                  teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
-                                 block_rows: int = BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [], argmax [N]) of the student logits hidden @ weight^T against teacher probabilities.
+                                 block_rows: int = BLOCK_ROWS, bias: torch.Tensor | None = None,
+                                 with_acceptance: bool = False,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss [], argmax [N], acceptance [N] or None) of the student logits hidden @ weight^T (+ bias) against
+    teacher probabilities.
 
     hidden [N, H]; weight [Vd, H], which gets no gradient (the verifier's frozen head); teacher_probs [U, Vd];
-    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None. The loss is the
-    (weighted) mean over rows of CE(teacher, student), the same value as `soft_cross_entropy` on the materialised
-    logits; argmax is each row's greedy draft-vocabulary id."""
+    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None; bias [N, Vd] or None, a
+    logit bias that does get its gradient (DSpark's Markov head). The loss is the (weighted) mean over rows of
+    CE(teacher, student), the same value as `soft_cross_entropy` on the materialised logits; argmax is each row's
+    greedy draft-vocabulary id; with_acceptance also gives 1 - TV(student, teacher) per row (no gradient), the
+    acceptance probability of a sampled draft (Leviathan et al. 2023)."""
     if weight.requires_grad:
         raise ValueError("blockwise_soft_cross_entropy: the head weight must be frozen (it gets no gradient)")
     count = hidden.shape[0]
     rows = teacher_rows if teacher_rows is not None else torch.arange(count, device=hidden.device)
     weights = (torch.full((count,), 1.0 / max(count, 1), device=hidden.device) if row_weights is None
                else row_weights.float() / row_weights.float().sum().clamp_min(1e-12))
-    return _BlockwiseSoftCrossEntropy.apply(hidden, weight, teacher_probs.float(), rows, weights, block_rows)
+    loss, drafted, acceptance = _BlockwiseSoftCrossEntropy.apply(
+        hidden, weight, teacher_probs.float(), rows, weights, block_rows, bias, with_acceptance)
+    return loss, drafted, acceptance if with_acceptance else None

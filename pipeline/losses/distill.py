@@ -50,18 +50,22 @@ def distill_rows(model: Any, student_logits: torch.Tensor, teacher_full: torch.T
 
 def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Tensor, depths: torch.Tensor,
                         weights: Optional[torch.Tensor] = None, teacher_rows: Optional[torch.Tensor] = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`distill_rows` from the drafter's hidden rows [N, H] instead of their logits: the frozen head's logits are
-    computed, scored and dropped a block of rows at a time (pipeline.losses.blockwise), never held as [N, Vd].
-    Same loss, gradient and counts as `distill_rows(model, model.lm_head(hidden), ...)`."""
+                        bias: Optional[torch.Tensor] = None, with_acceptance: bool = False,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """`distill_rows` from the drafter's hidden rows [N, H] instead of their logits: the frozen head's logits
+    (+ an optional trainable logit bias [N, Vd]) are computed, scored and dropped a block of rows at a time
+    (pipeline.losses.blockwise), never held as [N, Vd]. Same loss, gradients and counts as
+    `distill_rows(model, model.lm_head(hidden) + bias, ...)`; the fourth value is each row's 1 - TV(student,
+    teacher over the draft vocabulary) when `with_acceptance`, else None."""
     teacher_probs = F.softmax(model.to_draft_vocab(teacher_full).float(), dim=-1)  # [U, Vd]
     teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
     if teacher_rows is not None:
         teacher_argmax = teacher_argmax[teacher_rows]
-    loss, drafted = model.lm_head(hidden, teacher_probs, teacher_rows, weights)
+    loss, drafted, acceptance = model.lm_head(hidden, teacher_probs, teacher_rows, weights, bias=bias,
+                                              with_acceptance=with_acceptance)
     correct, total = per_depth_counts(model.to_target_ids(drafted) == teacher_argmax, depths,
                                       model.spec.num_speculative_tokens)
-    return loss, correct, total
+    return loss, correct, total, acceptance
 
 
 def on_model_device(model: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

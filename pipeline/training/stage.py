@@ -56,11 +56,16 @@ def _spec(ctx: Context, manifest: dict):
     return spec
 
 
-def _worker_env() -> dict:
-    keep = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "MLFLOW_DISABLE_TELEMETRY", "OMP_NUM_THREADS")
+def _worker_env(use_gpu: bool) -> dict:
+    keep = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "MLFLOW_DISABLE_TELEMETRY", "OMP_NUM_THREADS",
+            "TORCH_COMPILE_DISABLE")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not use_gpu:
+        # DeepSpeed's Muon is a torch.compile'd function: on a CPU, inductor spends about 30 s per matrix shape
+        # compiling a Newton-Schulz step that takes milliseconds eagerly.
+        env.setdefault("TORCH_COMPILE_DISABLE", "1")
     return env
 
 
@@ -185,6 +190,6 @@ def _fit(ctx: Context, loop_config: dict):
         run_config=RunConfig(name=_run_name(ctx), storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=cfg.training.max_failures),
                              checkpoint_config=_checkpoint_config(cfg.training),
-                             worker_runtime_env={"env_vars": _worker_env()}),
+                             worker_runtime_env={"env_vars": _worker_env(use_gpu)}),
     )
     return trainer.fit()

@@ -30,12 +30,32 @@ def test_blockwise_equals_the_materialised_loss_gradient_and_argmax(block_rows, 
     logits = student @ weight.t()
     expected = soft_cross_entropy(logits, teacher_probs[teacher_rows], weights)
     (expected_grad,) = torch.autograd.grad(expected, student)
-    loss, drafted = blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows, weights,
-                                                 block_rows=block_rows)
+    loss, drafted, acceptance = blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows, weights,
+                                                             block_rows=block_rows)
     (grad,) = torch.autograd.grad(loss * 2.5, student)  # an outer factor reaches the hidden states' gradient
     assert torch.allclose(loss, expected, atol=1e-5, rtol=1e-5)
     assert torch.allclose(grad, 2.5 * expected_grad, atol=1e-6, rtol=1e-4)
+    assert torch.equal(drafted, logits.argmax(dim=-1)) and acceptance is None
+
+
+@pytest.mark.parametrize("block_rows", [5, 64])
+def test_a_trainable_logit_bias_gets_its_gradient_and_the_acceptance_is_one_minus_tv(block_rows):
+    """DSpark's Markov bias: logits = hidden W^T + bias, the bias trains; acceptance = 1 - TV(student, teacher)."""
+    student, weight, teacher_probs, teacher_rows, row_weights = _problem(seed=4)
+    bias = torch.randn(student.shape[0], weight.shape[0], generator=torch.Generator().manual_seed(9),
+                       requires_grad=True)
+    logits = student @ weight.t() + bias
+    expected = soft_cross_entropy(logits, teacher_probs[teacher_rows], row_weights)
+    expected_grads = torch.autograd.grad(expected, (student, bias))
+    tv = 0.5 * (F.softmax(logits, dim=-1) - teacher_probs[teacher_rows]).abs().sum(dim=-1)
+    loss, drafted, acceptance = blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows,
+                                                             row_weights, block_rows, bias, with_acceptance=True)
+    grads = torch.autograd.grad(loss, (student, bias))
+    assert torch.allclose(loss, expected, atol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
     assert torch.equal(drafted, logits.argmax(dim=-1))
+    assert torch.allclose(acceptance, 1.0 - tv.detach(), atol=1e-5)
 
 
 def test_a_head_that_trains_is_refused():
@@ -67,7 +87,7 @@ def test_distill_hidden_rows_equals_distill_rows_on_the_heads_logits(pruned):
         teacher_full[teacher_rows[:6], picks] += 100.0
     expected = distill_rows(model, head(student), teacher_full, depths, row_weights, teacher_rows)
     (expected_grad,) = torch.autograd.grad(expected[0], student)
-    got = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows)
+    got = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows)[:3]
     (grad,) = torch.autograd.grad(got[0], student)
     assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.allclose(grad, expected_grad, atol=1e-6)
     assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
 from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
-from pipeline.losses.distill import distill_hidden_rows, distill_rows, on_model_device, pad_stack
+from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act",
@@ -83,8 +83,8 @@ class DFlashDrafter(DrafterBase):
     # Slot k drafts token p + k + this: DFlash's slot 0 is the known anchor token; DSpark samples from it too.
     sample_from_anchor = False
     extra_keys = ("causal_block",)
-    # Whether correct_logits adds anything to the head's logits (DSpark's Markov bias); without, the loss never
-    # materialises the logits (pipeline.losses.blockwise).
+    # Whether logit_bias corrects the head's logits (DSpark's Markov bias, whose confidence head then trains on each
+    # row's acceptance 1 - TV).
     biases_logits = False
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
@@ -145,9 +145,13 @@ class DFlashDrafter(DrafterBase):
             x = layer(x, context, rotary, mask)
         return self.norm(x)
 
+    def logit_bias(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
+        """[M, Vd] correction of the head's logits from each row's previous token (DSpark); DFlash has none."""
+        return None
+
     def correct_logits(self, logits: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
-        """Hook for an autoregressive correction from the previous token (DSpark); DFlash has none."""
-        return logits
+        bias = self.logit_bias(previous_tokens)
+        return logits if bias is None else logits + bias.to(logits.dtype)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the slots that draft: [.., bs, H] -> [.., K, Vd]."""
@@ -207,10 +211,7 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
         teacher = model.teacher_logits(last[b, before])  # the verifier's next-token view there
     rows = hidden[b, n, j]  # [M, H]
     weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0)).to(rows.device)[j]
-    if not model.biases_logits:  # the head's [M, Vd] logits are computed blockwise, never held
-        loss, correct, total = distill_hidden_rows(model, rows, teacher, j, weights)
-        return loss, correct, total, {"hidden": rows, "previous": previous, "teacher": teacher, "weights": weights}
-    student = model.correct_logits(model.lm_head(rows), previous)
-    loss, correct, total = distill_rows(model, student, teacher, j, weights)
-    extras = {"hidden": rows, "previous": previous, "student": student, "teacher": teacher, "weights": weights}
-    return loss, correct, total, extras
+    # The head's [M, Vd] logits are computed blockwise, never held (DSpark's Markov bias is one [M, Vd] input).
+    loss, correct, total, acceptance = distill_hidden_rows(
+        model, rows, teacher, j, weights, bias=model.logit_bias(previous), with_acceptance=model.biases_logits)
+    return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance}

@@ -55,8 +55,8 @@ class DSparkDrafter(DFlashDrafter):
         self.confidence_head = ConfidenceHead(spec.hidden_size + rank)
         self.confidence_threshold = float(spec.extra.get("confidence_threshold", 0.0))
 
-    def correct_logits(self, logits: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
-        return logits + self.markov_head(previous_tokens).to(logits.dtype)
+    def logit_bias(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        return self.markov_head(previous_tokens)
 
     def confidence_logits(self, hidden: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
         features = torch.cat([hidden, self.markov_head.markov_w1(previous_tokens).to(hidden.dtype)], dim=-1)
@@ -86,12 +86,10 @@ class DSparkDrafter(DFlashDrafter):
         loss, correct, total, extras = block_loss(self, samples, options, generator)
         if extras is None:
             return loss, correct, total
-        with torch.no_grad():
-            student = F.softmax(extras["student"].float(), dim=-1)
-            teacher = F.softmax(self.to_draft_vocab(extras["teacher"]).float(), dim=-1)
-            acceptance = 1.0 - 0.5 * (student - teacher).abs().sum(dim=-1)  # 1 - total variation
+        # the confidence head learns each draft's acceptance probability, 1 - TV(draft, verifier), computed with
+        # the loss (no gradient)
         logits = self.confidence_logits(extras["hidden"], extras["previous"]).float()
-        per_row = F.binary_cross_entropy_with_logits(logits, acceptance, reduction="none")
+        per_row = F.binary_cross_entropy_with_logits(logits, extras["acceptance"], reduction="none")
         weights = extras["weights"]
         confidence_loss = (per_row * weights).sum() / weights.sum()
         return loss + float(options.get("confidence_loss_weight", 1.0)) * confidence_loss, correct, total

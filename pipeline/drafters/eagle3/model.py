@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.drafters.chains import inference_rows
 from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.eagle_family import EagleFamilyDrafter
 
@@ -27,10 +26,15 @@ def parent_rows(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor
     return torch.where((depths > 0) & valid, parents, row_ids)
 
 
-def rows_needed(depths: torch.Tensor, valid: torch.Tensor, step: int) -> int:
-    """How many leading rows hold every valid row of depth <= step (all rows if none is valid)."""
-    needed = ((depths <= step) & valid).nonzero()
-    return int(needed[:, 1].max()) + 1 if needed.numel() else depths.shape[1]
+def rows_at_depth(depths: torch.Tensor, valid: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [B, Q], present [B, Q]): each sequence's rows of this depth, in row order, padded to the longest with
+    index R (one past the last row) and present False."""
+    batch, rows = depths.shape
+    chosen = (depths == depth) & valid  # [B, R]
+    count = int(chosen.sum(dim=1).max())
+    order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :count]  # chosen rows first, in order
+    present = torch.gather(chosen, 1, order)
+    return torch.where(present, order, torch.full_like(order, rows)), present
 
 
 class Eagle3Drafter(EagleFamilyDrafter):
@@ -44,33 +48,44 @@ class Eagle3Drafter(EagleFamilyDrafter):
         self.init_linear_weights(init_std)
 
     def _rows_input(self, aux_hidden, next_ids, anchors, depths, chain_hidden):
-        """[B, R, 2H]: real rows get fc(features), chain rows the previous depth's output; both their token."""
+        """[B, Q, 2H] for rows of one depth: depth 0 reads fc(features), a deeper one its parent's output
+        (`chain_hidden`); both their token."""
         embeds, features = self.real_row_inputs(aux_hidden, next_ids, anchors + depths)
-        real = (depths == 0)[..., None]
-        fused = self.fuse(features)
-        fused = fused if chain_hidden is None else torch.where(real, fused, chain_hidden)
-        return torch.cat([embeds.to(fused.dtype), fused], dim=-1)
+        hidden = self.fuse(features) if chain_hidden is None else chain_hidden
+        return torch.cat([embeds.to(hidden.dtype), hidden], dim=-1)
 
     def forward(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, anchors: torch.Tensor,
                 depths: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Training-time test over all rows: normed hidden [B, R, H].
 
-        Step s computes correct outputs for every row of depth <= s (a row sees only rows of lower or equal depth),
-        so after step s the depth-(s+1) rows can take their parents' outputs as input. A row's output never changes
-        after its own step, so step s keeps only its depth-s rows and runs only the leading rows up to the last one
-        of depth <= s (rows come ordered by depth; deeper rows inside that span are masked out as keys).
+        Step s runs the depth-s rows alone: each reads its parent's (anchor, s - 1) output and attends to the keys
+        and values of the rows run before it (a transformers DynamicCache, as incremental decoding keeps them) and
+        to its own step's, so every row is computed once; the attention mask is `attention_allowed`'s.
         """
+        from transformers import DynamicCache
+
         parents = parent_rows(anchors, depths, valid)
-        outputs, chain_hidden = None, None
+        batch, rows = anchors.shape
+        outputs = None  # [B, R + 1, H]: each row's pre-norm output, row R a sink for padding
+        keys: list[tuple[torch.Tensor, ...]] = []
+        cache = DynamicCache()
         for step in range(int(depths.max()) + 1):
-            span = rows_needed(depths, valid, step)
-            rows = (anchors[:, :span], depths[:, :span], valid[:, :span])
-            chain = None if chain_hidden is None else chain_hidden[:, :span]
-            out = self.run_layers(self._rows_input(aux_hidden, next_ids, rows[0], rows[1], chain), *rows)
-            out = torch.nn.functional.pad(out, (0, 0, 0, anchors.shape[1] - span))  # [B, R, H]
-            outputs = out if outputs is None else torch.where((depths == step)[..., None], out, outputs)
-            chain_hidden = torch.gather(self.chained(outputs), 1, parents[..., None].expand_as(outputs))
-        return self.norm(outputs)
+            index, present = rows_at_depth(depths, valid, step)
+            clamped = index.clamp(max=rows - 1)
+            step_rows = (torch.gather(anchors, 1, clamped), torch.full_like(index, step), present)
+            chain = None
+            if outputs is not None:
+                parent_out = torch.gather(outputs, 1, torch.gather(parents, 1, clamped)[..., None].expand(
+                    -1, -1, outputs.shape[-1]))
+                chain = self.chained(parent_out)
+            keys.append(step_rows)
+            all_keys = tuple(torch.cat(parts, dim=1) for parts in zip(*keys))
+            out = self.run_layers_cached(self._rows_input(aux_hidden, next_ids, *step_rows[:2], chain), step_rows,
+                                         all_keys, cache)  # [B, Q, H]
+            if outputs is None:
+                outputs = out.new_zeros(batch, rows + 1, out.shape[-1])
+            outputs = outputs.scatter(1, index[..., None].expand_as(out), out)
+        return self.norm(outputs[:, :rows])
 
     def chained(self, out: torch.Tensor) -> torch.Tensor:
         """What the next depth reads of a row's output [.., H]: pre-norm, or post-norm with norm_output (vLLM's
@@ -79,19 +94,28 @@ class Eagle3Drafter(EagleFamilyDrafter):
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        """Greedy drafts for one sequence, one forward per token: [num_drafts] target ids."""
+        """Greedy drafts for one sequence, one forward per token: [num_drafts] target ids. The context's rows run
+        once; each draft's row attends to them through the cache, as in training."""
+        from transformers import DynamicCache
+
         context = aux_hidden.shape[1]
-        tokens = next_ids
-        drafts = []
-        chain_hidden = torch.zeros(1, context, self.spec.hidden_size, dtype=aux_hidden.dtype, device=aux_hidden.device)
+        device = aux_hidden.device
+        cache = DynamicCache()
+        rows = (torch.arange(context, device=device)[None], torch.zeros(1, context, dtype=torch.long, device=device),
+                torch.ones(1, context, dtype=torch.bool, device=device))
+        keys = rows
+        out = self.run_layers_cached(self._rows_input(aux_hidden, next_ids, *rows[:2], None), rows, keys, cache)
+        tokens, drafts = next_ids, []
         for depth in range(num_drafts):
-            anchors, depths = (t[None].to(aux_hidden.device) for t in inference_rows(context, depth + 1))
-            valid = torch.ones_like(anchors, dtype=torch.bool)
-            out = self.run_layers(self._rows_input(aux_hidden, tokens, anchors, depths, chain_hidden),
-                                  anchors, depths, valid)  # [1, T + depth, H]
-            draft_id = self.lm_head(self.norm(out[:, -1])).argmax(dim=-1)  # [1]
-            target_id = self.to_target_ids(draft_id)
-            drafts.append(target_id)
-            tokens = torch.cat([tokens, target_id[None]], dim=1)  # row (last, depth + 1) reads this token
-            chain_hidden = torch.cat([chain_hidden, self.chained(out[:, -1:])], dim=1)
+            last = out[:, -1:]  # [1, 1, H]: the row that drafts this token
+            draft_id = self.lm_head(self.norm(last[:, 0])).argmax(dim=-1)  # [1]
+            drafts.append(self.to_target_ids(draft_id))
+            if depth + 1 == num_drafts:
+                break
+            tokens = torch.cat([tokens, drafts[-1][None]], dim=1)  # row (last, depth + 1) reads this token
+            rows = (torch.full((1, 1), context - 1, device=device), torch.full((1, 1), depth + 1, device=device),
+                    torch.ones(1, 1, dtype=torch.bool, device=device))
+            keys = tuple(torch.cat(pair, dim=1) for pair in zip(keys, rows))
+            out = self.run_layers_cached(self._rows_input(aux_hidden, tokens, *rows[:2], self.chained(last)), rows,
+                                         keys, cache)
         return torch.cat(drafts)
