@@ -21,20 +21,22 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_probs, teacher_rows, row_weights, block_rows, bias, with_acceptance):
         """hidden [N, H]; weight [Vd, H] (frozen); teacher_probs [U, Vd] (rows sum to 1); teacher_rows [N] index
-        into U; row_weights [N] (sum to 1); bias [N, Vd] added to the logits, or None ->
+        into U; row_weights [N] (sum to 1); bias [U, Vd] added to the logits of the rows of each teacher row, or
+        None ->
         (sum_i w_i CE(teacher_i, softmax(hidden_i W^T + bias_i)) [], argmax [N], 1 - TV(student, teacher) [N])."""
         count = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_bias = torch.empty_like(bias) if bias is not None else None
+        grad_bias = torch.zeros_like(bias) if bias is not None else None
         drafted = torch.empty(count, dtype=torch.long, device=hidden.device)
         acceptance = torch.empty(count if with_acceptance else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, count, block_rows):
             rows = slice(start, min(start + block_rows, count))
             logits = (hidden[rows] @ weight.t()).float()  # [b, Vd]
+            teacher = teacher_rows[rows]  # [b]
             if bias is not None:
-                logits += bias[rows].float()
-            target = teacher_probs[teacher_rows[rows]]  # [b, Vd]
+                logits += bias[teacher].float()
+            target = teacher_probs[teacher]  # [b, Vd]
             weights = row_weights[rows]  # [b]
             drafted[rows] = logits.argmax(dim=-1)
             # CE(p, q) = logsumexp(logits) - <p, logits> for p summing to 1
@@ -45,8 +47,8 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
                 acceptance[rows] = 1.0 - 0.5 * grad_logits.abs().sum(dim=-1)
             grad_logits.mul_(weights[:, None])
             grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_bias is not None:
-                grad_bias[rows] = grad_logits.to(grad_bias.dtype)
+            if grad_bias is not None:  # rows that share a teacher row share its bias
+                grad_bias.index_add_(0, teacher, grad_logits.to(grad_bias.dtype))
         ctx.save_for_backward(grad_hidden, grad_bias)
         ctx.mark_non_differentiable(drafted, acceptance)
         return loss, drafted, acceptance
@@ -82,8 +84,9 @@ def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tea
     teacher probabilities.
 
     hidden [N, H]; weight [Vd, H], which gets no gradient (the verifier's frozen head); teacher_probs [U, Vd];
-    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None; bias [N, Vd] or None, a
-    logit bias that does get its gradient (DSpark's Markov head). The loss is the (weighted) mean over rows of
+    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None; bias [U, Vd] or None, a
+    logit bias per teacher row that does get its gradient (DSpark's Markov head: rows drafting the same position
+    share its previous token). The loss is the (weighted) mean over rows of
     CE(teacher, student), the same value as `soft_cross_entropy` on the materialised logits; argmax is each row's
     greedy draft-vocabulary id; with_acceptance also gives 1 - TV(student, teacher) per row (no gradient), the
     acceptance probability of a sampled draft (Leviathan et al. 2023)."""

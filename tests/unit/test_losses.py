@@ -42,9 +42,9 @@ def test_blockwise_equals_the_materialised_loss_gradient_and_argmax(block_rows, 
 def test_a_trainable_logit_bias_gets_its_gradient_and_the_acceptance_is_one_minus_tv(block_rows):
     """DSpark's Markov bias: logits = hidden W^T + bias, the bias trains; acceptance = 1 - TV(student, teacher)."""
     student, weight, teacher_probs, teacher_rows, row_weights = _problem(seed=4)
-    bias = torch.randn(student.shape[0], weight.shape[0], generator=torch.Generator().manual_seed(9),
-                       requires_grad=True)
-    logits = student @ weight.t() + bias
+    bias = torch.randn(teacher_probs.shape[0], weight.shape[0], generator=torch.Generator().manual_seed(9),
+                       requires_grad=True)  # one per teacher row, shared by that teacher's rows
+    logits = student @ weight.t() + bias[teacher_rows]
     expected = soft_cross_entropy(logits, teacher_probs[teacher_rows], row_weights)
     expected_grads = torch.autograd.grad(expected, (student, bias))
     tv = 0.5 * (F.softmax(logits, dim=-1) - teacher_probs[teacher_rows]).abs().sum(dim=-1)

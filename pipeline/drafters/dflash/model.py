@@ -146,7 +146,7 @@ class DFlashDrafter(DrafterBase):
         return self.norm(x)
 
     def logit_bias(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
-        """[M, Vd] correction of the head's logits from each row's previous token (DSpark); DFlash has none."""
+        """[.., Vd] correction of the head's logits from the previous tokens [..] (DSpark); DFlash has none."""
         return None
 
     def correct_logits(self, logits: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
@@ -207,11 +207,15 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     b, n, j = trainable.nonzero(as_tuple=True)
     before = target_pos[b, n, j] - 1  # the position before each drafted token
     previous = input_ids[b, before]  # its token (teacher forcing)
+    # Overlapping blocks draft the same positions: each verifier position's logits are computed once.
+    unique_pos, teacher_rows = torch.unique(b * length + before, return_inverse=True)  # [U], [M]
     with torch.no_grad():
-        teacher = model.teacher_logits(last[b, before])  # the verifier's next-token view there
+        teacher = model.teacher_logits(last.reshape(-1, last.shape[-1])[unique_pos])  # [U, V]: the verifier's view
     rows = hidden[b, n, j]  # [M, H]
     weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0)).to(rows.device)[j]
-    # The head's [M, Vd] logits are computed blockwise, never held (DSpark's Markov bias is one [M, Vd] input).
+    # The head's [M, Vd] logits are computed blockwise, never held (DSpark's Markov bias is one [U, Vd] input: the
+    # rows of a position share its previous token).
     loss, correct, total, acceptance = distill_hidden_rows(
-        model, rows, teacher, j, weights, bias=model.logit_bias(previous), with_acceptance=model.biases_logits)
+        model, rows, teacher, j, weights, teacher_rows, bias=model.logit_bias(input_ids.reshape(-1)[unique_pos]),
+        with_acceptance=model.biases_logits)
     return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance}
