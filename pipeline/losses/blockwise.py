@@ -21,9 +21,9 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_probs, teacher_rows, row_weights, block_rows, bias, with_acceptance):
         """hidden [N, H]; weight [Vd, H] (frozen); teacher_probs [U, Vd] (rows sum to 1); teacher_rows [N] index
-        into U; row_weights [N] (sum to 1); bias [U, Vd] added to the logits of the rows of each teacher row, or
-        None ->
-        (sum_i w_i CE(teacher_i, softmax(hidden_i W^T + bias_i)) [], argmax [N], 1 - TV(student, teacher) [N])."""
+        into U; row_weights [N] (sum to 1); bias [U, Vd] (added to the logits of each teacher row's rows) or None.
+        Returns (sum_i w_i CE(p_i, softmax(hidden_i W^T + bias_i)) [], argmax [N], 1 - TV(student, teacher) [N],
+        empty unless with_acceptance)."""
         count = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
@@ -86,10 +86,10 @@ def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tea
     hidden [N, H]; weight [Vd, H], which gets no gradient (the verifier's frozen head); teacher_probs [U, Vd];
     teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None; bias [U, Vd] or None, a
     logit bias per teacher row that does get its gradient (DSpark's Markov head: rows drafting the same position
-    share its previous token). The loss is the (weighted) mean over rows of
-    CE(teacher, student), the same value as `soft_cross_entropy` on the materialised logits; argmax is each row's
-    greedy draft-vocabulary id; with_acceptance also gives 1 - TV(student, teacher) per row (no gradient), the
-    acceptance probability of a sampled draft (Leviathan et al. 2023)."""
+    share its previous token). The loss is the (weighted) mean over rows of CE(teacher, student), the same value as
+    `soft_cross_entropy` on the materialised logits; argmax is each row's greedy draft-vocabulary id;
+    with_acceptance also gives 1 - TV(student, teacher) per row (no gradient), the acceptance probability of a
+    sampled draft (Leviathan et al. 2023). Raises ValueError for a head weight that requires grad."""
     if weight.requires_grad:
         raise ValueError("blockwise_soft_cross_entropy: the head weight must be frozen (it gets no gradient)")
     count = hidden.shape[0]

@@ -53,10 +53,10 @@ def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Te
                         bias: Optional[torch.Tensor] = None, with_acceptance: bool = False,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """`distill_rows` from the drafter's hidden rows [N, H] instead of their logits: the frozen head's logits
-    (+ an optional trainable logit bias [U, Vd], one per teacher row) are computed, scored and dropped a block of rows at a time
-    (pipeline.losses.blockwise), never held as [N, Vd]. Same loss, gradients and counts as
-    `distill_rows(model, model.lm_head(hidden) + bias, ...)`; the fourth value is each row's 1 - TV(student,
-    teacher over the draft vocabulary) when `with_acceptance`, else None."""
+    (+ an optional trainable logit bias [U, Vd], one per teacher row) are computed, scored and dropped a block of
+    rows at a time (pipeline.losses.blockwise), never held as [N, Vd]. Same loss, gradients and counts as
+    `distill_rows(model, model.lm_head(hidden) + bias[teacher_rows], ...)`; the fourth value is each row's
+    1 - TV(student, teacher over the draft vocabulary) when `with_acceptance`, else None."""
     teacher_probs = F.softmax(model.to_draft_vocab(teacher_full).float(), dim=-1)  # [U, Vd]
     teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
     if teacher_rows is not None:
