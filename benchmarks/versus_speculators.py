@@ -61,6 +61,7 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     """Our whole chain on DIR's store; returns the folders and figures the comparison needs."""
     from pipeline.config import compose
     from pipeline.paths import StagePaths
+    from pipeline.training.optim import deepspeed_grad_clip
 
     fresh_root(root, work)
     if (root / "synthetic").is_dir():  # the verifier's eval-set requests: the same settings give the same prompts
@@ -85,7 +86,7 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
                                    f"{training.min_lr_ratio} x lr",
                        "drafter": {key: cfg.drafter[key] for key in ("norm_before_fc", "norm_output",
                                                                       "max_anchors", "depth_keep_decay")},
-                       "grad_clip": float(training.grad_clip), "workers": int(training.num_workers),
+                       "grad_clip": deepspeed_grad_clip(training), "workers": int(training.num_workers),
                        "micro_batch_size": int(training.micro_batch_size),
                        "sequences_per_step": int(training.num_workers) * int(training.micro_batch_size)
                        * int(training.grad_accum_steps),

@@ -176,6 +176,8 @@ class TrainingConfig:
     # After the linear warmup the learning rate falls to min_lr_ratio x its peak at the last step: cosine or linear.
     lr_schedule: str = "cosine"
     min_lr_ratio: float = 0.1
+    # Global gradient-norm clip. Not applied with optimizer=muon under DeepSpeed, which would clip Muon's
+    # orthogonalised update instead of the gradient (pipeline/training/optim.py: deepspeed_grad_clip).
     grad_clip: float = 1.0
     checkpoint_every: int = 100
     # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.

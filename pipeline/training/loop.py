@@ -19,7 +19,9 @@ from pipeline.tracking import log_metric_batch
 from pipeline.training import dist
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
 from pipeline.training.feed import plan_row, stream_micro_batches
-from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
+from pipeline.training.optim import (
+    deepspeed_grad_clip, deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers,
+)
 from pipeline.training.order import GlobalOrder
 from pipeline.training.resume import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint,
@@ -51,7 +53,7 @@ def deepspeed_config(ds: dict, training: dict, micro_batch: int, load_universal:
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": training["grad_accum_steps"],
-        "gradient_clipping": training["grad_clip"],
+        "gradient_clipping": deepspeed_grad_clip(training),
         "zero_optimization": {"stage": ds["zero_stage"]},
         "bf16": {"enabled": bool(ds["bf16"])},
         # AdamW is a torch optimizer handed to DeepSpeed (Engine): DeepSpeed calls that untested.

@@ -102,3 +102,40 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path: Path):
                         token_budget=0, val_samples=0)
     with pytest.raises(RuntimeError, match="holds 1 optimizer states, this run's training.optimizer has 2"):
         muon.load_state(point, tmp_path / "scratch")
+
+
+DEEPSPEED_MUON_STEP = """
+import json, os, sys
+import torch
+from pipeline.training.loop import Engine
+from tests.unit.test_optim import MUON, _step
+from tests.unit.tiny_drafters import tiny_drafter, tiny_samples
+engine = Engine(tiny_drafter("peagle"), {**MUON, "warmup_steps": 1}, {"enabled": True, "zero_stage": 2, "bf16": False},
+                micro_batch=2)
+before = engine.module.fc.weight.detach().clone()
+_step(engine, tiny_samples(2))
+print(json.dumps({"moved": float((engine.module.fc.weight - before).norm()),
+                  "clip": engine.engine.gradient_clipping(), "shape": list(before.shape)}))
+"""
+
+
+def test_deepspeed_muon_steps_by_muon_lr_whatever_the_other_matrices_norms(tmp_path: Path):
+    """DeepSpeed ZeRO-2 clips after it orthogonalises the Muon half; with gradient_clipping on, the clip shrank
+    fc's step by the global norm of every matrix's update. One step must move fc by about muon_lr times the
+    orthogonalised update's norm, sqrt(min(rows, cols)) (Newton-Schulz leaves singular values near 1)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29617", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(repo)}
+    finished = subprocess.run([sys.executable, "-c", DEEPSPEED_MUON_STEP], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    rows, cols = result["shape"]
+    expected = MUON["muon_lr"] * min(rows, cols) ** 0.5 * max(1.0, rows / cols) ** 0.5
+    assert 0.5 * expected < result["moved"] < 1.5 * expected, (result, expected)
+    assert result["clip"] == 0.0
