@@ -87,6 +87,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
     _validate_val_tau(cfg.training)
     _validate_optimizer(cfg.training)
+    _validate_training_cadence(cfg.training)
     _require(cfg.training.max_tokens_per_micro_batch >= 0,
              "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
     _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
@@ -125,6 +126,22 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
+    _require(evaluation.gate.min_tau_gain >= 0,
+             "evaluation.gate.min_tau_gain: must be >= 0 (a negative gain would promote a worse drafter)")
+    _validate_alias(evaluation.gate.alias)
+
+
+def _validate_alias(alias: str) -> None:
+    """MLflow's own rules for a registry alias (characters, length, the reserved `latest` and `v<N>`), checked before
+    any stage runs instead of at the promotion after training."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved
+
+    try:
+        _validate_model_alias_name(alias)
+        _validate_model_alias_name_reserved(alias)
+    except MlflowException as error:
+        raise PipelineError(f"evaluation.gate.alias: {error.message}") from None
 
 
 def _validate_val_tau(training: DictConfig) -> None:
@@ -149,6 +166,14 @@ def _validate_optimizer(training: DictConfig) -> None:
     for key in ("weight_decay", "muon_weight_decay", "muon_momentum"):
         _require(training[key] >= 0, f"training.{key}: must be >= 0")
     _require(training.muon_momentum < 1, "training.muon_momentum: must be < 1")
+
+
+def _validate_training_cadence(training: DictConfig) -> None:
+    """Counts the loop divides or indexes by: a 0 here fails only after minutes of data loading and training."""
+    for key in ("micro_batch_size", "grad_accum_steps", "checkpoint_every", "log_every", "keep_checkpoints"):
+        _require(training[key] >= 1, f"training.{key}: must be >= 1")
+    _require(training.warmup_steps >= 0, "training.warmup_steps: must be >= 0")
+    _require(training.grad_clip >= 0, "training.grad_clip: must be >= 0 (0 = no clipping)")
 
 
 def _validate_generation_parallelism(gen: DictConfig) -> None:
@@ -190,6 +215,15 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
                  f"each do not fit: {shape}")
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 def _validate_serving(serving: DictConfig) -> None:
     _require(serving.accelerator in ("cpu", "gpu"), "serving.accelerator: must be cpu or gpu")
     _require(1 <= serving.port <= 65535, "serving.port: must be a TCP port (1..65535)")
@@ -197,5 +231,10 @@ def _validate_serving(serving: DictConfig) -> None:
     _require(serving.num_speculative_tokens is None or serving.num_speculative_tokens >= 1,
              "serving.num_speculative_tokens: must be >= 1 (or null for the evaluation's recommended K)")
     _require(serving.max_request_bytes >= 1024, "serving.max_request_bytes: must be >= 1024")
-    _require(serving.model is None or str(serving.model).startswith(("models:/", "runs:/")),
-             "serving.model: must be models:/<name>@<alias>, models:/<name>/<version> or runs:/<run id>/<path>")
+    _require(_is_loopback(serving.host) or bool(serving.api_key_env),
+             f"serving.host: '{serving.host}' reaches beyond this machine; set serving.api_key_env to the variable "
+             "holding an API key (or bind to 127.0.0.1)")
+    if serving.model is not None:
+        from pipeline.serving.registry import check_model_uri
+
+        check_model_uri(str(serving.model))

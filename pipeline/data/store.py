@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,6 +27,8 @@ from pipeline.fsutil import atomic_write_text
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.safetensors"
+SHARD_NAME = re.compile(r"shard-[0-9a-f]{16}\.safetensors")  # shard_name()'s
+SHA256 = re.compile(r"[0-9a-f]{64}")
 FORMAT_VERSION = 2
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -142,10 +145,41 @@ def scan_shards(store_dir: Path, known: dict[str, dict] | None = None) -> list[d
 
 
 def load_manifest(store_dir: Path) -> dict | None:
+    """The store's manifest (None when there is none yet); a manifest that is not what write_manifest writes is
+    refused in one line naming the file and the field, before any shard it lists is opened."""
     path = store_dir / MANIFEST
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PipelineError(f"store: manifest '{path}' is not JSON ({error})") from None
+    _check_manifest(manifest, path)
+    return manifest
+
+
+def _check_manifest(manifest: Any, path: Path) -> None:
+    def require(condition: bool, problem: str) -> None:
+        if not condition:
+            raise PipelineError(f"store: manifest '{path}': {problem}")
+
+    require(isinstance(manifest, dict), "must be a JSON object")
+    require(isinstance(manifest.get("layer_ids"), list) and all(isinstance(i, int) for i in manifest["layer_ids"]),
+            "'layer_ids' must be a list of layer numbers")
+    require(isinstance(manifest.get("shards"), list), "'shards' must be a list")
+    for index, shard in enumerate(manifest["shards"]):
+        field = f"shards[{index}]"
+        require(isinstance(shard, dict), f"'{field}' must be an object")
+        # Only a shard's own name: a path ('../x', '/etc/x') would read outside the store.
+        require(isinstance(shard.get("file"), str) and SHARD_NAME.fullmatch(shard["file"]) is not None,
+                f"'{field}.file' must be a shard file name in the store (shard-<hex>.safetensors), got "
+                f"{shard.get('file')!r}")
+        require(isinstance(shard.get("sha256"), str) and SHA256.fullmatch(shard["sha256"]) is not None,
+                f"'{field}.sha256' must be a sha256 hex digest")
+        require(isinstance(shard.get("sample_ids"), list) and all(isinstance(i, str) for i in shard["sample_ids"]),
+                f"'{field}.sample_ids' must be a list of sample ids")
+        require(isinstance(shard.get("num_tokens"), int) and shard["num_tokens"] >= 0,
+                f"'{field}.num_tokens' must be a token count")
 
 
 def write_manifest(store_dir: Path, shards: list[dict], info: dict) -> dict:

@@ -35,6 +35,22 @@ class ResolvedSpeculator:
         return int(value) if value else None
 
 
+URI_FORMS = "models:/<name>@<alias>, models:/<name>/<version> or runs:/<run id>/<path>"
+
+
+def check_model_uri(uri: str) -> None:
+    """Refuse a serving.model that is none of the three forms, or a run path that leaves the run's artifacts (an
+    absolute path, '..' or '.' parts): the download lands at <download root>/<run>/<path>."""
+    run = RUN_URI.match(uri)
+    if not MODEL_URI.match(uri) and not run:
+        raise PipelineError(f"serving.model: '{uri}' is not {URI_FORMS}")
+    if run:
+        parts = run["path"].replace("\\", "/").rstrip("/").split("/")
+        if run["path"].startswith("/") or any(part in ("", ".", "..") for part in parts):
+            raise PipelineError(f"serving.model: '{uri}': the path after the run id must name a folder inside the "
+                                "run's artifacts (no '..', '.', empty or absolute parts)")
+
+
 def served_model_name(uri: str, default: str) -> str:
     """The OpenAI "model" a speculator is served as: the registered model's name, else `default`."""
     model = MODEL_URI.match(uri)
@@ -62,10 +78,8 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
     """Fetch the speculator `uri` names into download_root (a folder per version or run)."""
     from mlflow.exceptions import MlflowException
 
+    check_model_uri(uri)
     model, run = MODEL_URI.match(uri), RUN_URI.match(uri)
-    if not model and not run:
-        raise PipelineError(f"serving.model: '{uri}' is not models:/<name>@<alias>, models:/<name>/<version> or "
-                            "runs:/<run id>/<path>")
     try:
         if model:
             name = model["name"]

@@ -68,7 +68,7 @@ def test_empty_dataset_is_a_clear_error(tmp_path):
 def test_unreadable_file_names_it(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
-    with pytest.raises(PipelineError, match=r"data\.path: cannot read .*bad\.jsonl"):
+    with pytest.raises(PipelineError, match=r"data\.path: line 1 of .*bad\.jsonl' is not JSON"):
         load_prompts(data_cfg(path=str(bad)))
 
 
@@ -142,3 +142,35 @@ def test_generation_prompt_mask_marks_earlier_answers(smollm2_path):
     ids, mask = tokenize_conversation(tokenizer, history, add_generation_prompt=True)
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]).startswith("Hello there")
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_text_parts_are_joined_and_tool_only_turns_are_left_out_and_counted(tmp_path, caplog):
+    import logging
+
+    from tests.conftest import write_jsonl
+
+    path = write_jsonl(tmp_path / "openai.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Part one."}, "Part two."]}]},
+        {"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+            {"role": "tool", "content": "18C"},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is 18C."}]},
+            {"role": "user", "content": "Thanks"}]},
+    ])
+    with caplog.at_level(logging.INFO, logger="pipeline.data.prompts"):
+        prompts = load_prompts(data_cfg(path=str(path)))
+    assert prompts[0]["messages"] == [{"role": "user", "content": "Part one.\nPart two."}]  # vLLM's joining
+    assert prompts[1]["messages"] == [{"role": "user", "content": "Weather in Paris?"},
+                                      {"role": "assistant", "content": "It is 18C."},
+                                      {"role": "user", "content": "Thanks"}]
+    assert "left out 1 turns: assistant turn with only tool calls" in caplog.text
+    assert "left out 1 turns: tool result turn" in caplog.text
+
+
+def test_an_empty_conversation_with_a_system_prompt_is_skipped_not_a_crash(tmp_path):
+    from tests.conftest import write_jsonl
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": []}, {"prompt": "real"}])
+    prompts = load_prompts(data_cfg(path=str(path), system_prompt="Be brief."))
+    assert len(prompts) == 1 and prompts[0]["messages"][0] == {"role": "system", "content": "Be brief."}

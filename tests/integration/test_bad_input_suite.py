@@ -1,0 +1,177 @@
+"""The bad-input suite: each bad input ends the job with exit code 2 and one line `error: <field or file>: ...`,
+no traceback, before any expensive work (the stage's output folder is never created).
+
+Kinds: prompt files (through the generate job's prompts stage), config overrides (validated before the first stage),
+store manifests (read by every stage after capture) and registry URIs (serving.model). HTTP requests are in
+tests/unit/test_serving.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import compose
+from pipeline.data.store import load_manifest
+from pipeline.errors import PipelineError
+from pipeline.runner import run_job
+from tests.conftest import tiny_overrides
+
+# (name, the file's bytes, what the one line must say)
+PROMPT_FILES = [
+    ("not_json", b'{"prompt": "fine"}\n{prompt: bare}\n', r"line 2 of .*' is not JSON"),
+    ("json_list", b'["a", "b"]\n', r"line 1 of .*' is a JSON list, not an object"),
+    ("json_string", b'"just text"\n', r"line 1 of .*' is a JSON str"),
+    ("messages_string", b'{"messages": "hello"}\n', r"line 1 .*'messages' must be a list of \{role, content\}"),
+    ("message_not_object", b'{"messages": ["hello"]}\n', r"'messages\[0\]' must be an object with role and content"),
+    ("message_without_content", b'{"messages": [{"role": "user"}]}\n', r"'messages\[0\]' has no 'content'"),
+    ("role_not_string", b'{"messages": [{"role": 3, "content": "x"}]}\n', r"'messages\[0\]\.role' must be a string"),
+    ("role_missing", b'{"messages": [{"content": "x"}]}\n', r"'messages\[0\]\.role' must be a string, got null"),
+    ("content_number", b'{"messages": [{"role": "user", "content": 7}]}\n',
+     r"'messages\[0\]\.content' must be a string or a list of text parts, got int"),
+    ("content_object", b'{"messages": [{"role": "user", "content": {"text": "x"}}]}\n',
+     r"'messages\[0\]\.content' must be a string or a list of text parts, got dict"),
+    ("text_part_without_text", b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}\n',
+     r"'messages\[0\]\.content\[0\]\.text' must be a string, got null"),
+    ("text_part_number", b'{"messages": [{"role": "user", "content": [5]}]}\n',
+     r"'messages\[0\]\.content\[0\]' must be a text part object, got int"),
+    ("prompt_number", b'{"prompt": 42}\n', r"'prompt' must be a string or a list of strings, got int"),
+    ("prompt_list_of_numbers", b'{"prompt": [1, 2]}\n', r"'prompt' must be a string or a list of strings, got int"),
+    ("prompt_object", b'{"prompt": {"q": "x"}}\n', r"'prompt' must be a string or a list of strings, got dict"),
+    ("conversations_object", b'{"conversations": {"from": "human"}}\n', r"'conversations' must be a list"),
+    ("conversations_value_number", b'{"conversations": [{"from": "human", "value": 1}]}\n',
+     r"'conversations\[0\]\.value' must be a string, got int"),
+    ("conversation_turn_string", b'{"conversations": ["hi"]}\n', r"'conversations\[0\]' must be an object"),
+    ("ultrachat_number", b'{"data": ["q", 4]}\n', r"'data\[1\]' must be a string, got int"),
+    ("not_utf8", b'{"prompt": "caf\xe9"}\n', r"line 1 of .*' is not valid UTF-8"),
+    ("empty", b"", r"the prompt file .*' is empty"),
+    ("blank_lines", b"\n  \n\n", r"the prompt file .*' is empty"),
+    ("no_known_field", b'{"question": "x"}\n{"question": "y"}\n',
+     r"no usable conversation .* 2 no 'messages', 'conversations', 'data' or 'prompt' field"),
+    ("only_images", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}\n',
+     r"no usable conversation .* 1 a 'image_url' content part"),
+]
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name, content, message", PROMPT_FILES, ids=[case[0] for case in PROMPT_FILES])
+def test_a_bad_prompt_file_exits_2_naming_the_line_and_field(name, content, message, tmp_path, tiny_verifier_path,
+                                                             capsys):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(content)
+    assert run_job(compose(tiny_overrides(tmp_path, tiny_verifier_path, path)), "generate") == 2
+    line = _error_line(capsys)
+    assert line.startswith("error: data"), line
+    assert re.search(message, line), line
+    assert not (tmp_path / "prompts").exists()
+
+
+def test_a_missing_prompt_file_and_a_non_parquet_file_are_named(tmp_path, tiny_verifier_path, capsys):
+    overrides = tiny_overrides(tmp_path, tiny_verifier_path, tmp_path / "absent.jsonl")
+    assert run_job(compose(overrides), "generate") == 2
+    assert _error_line(capsys).startswith("error: data.path: prompt file")
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("not parquet")
+    overrides = [*tiny_overrides(tmp_path, tiny_verifier_path, fake), "data=parquet", f"data.path={fake}"]
+    assert run_job(compose(overrides), "generate") == 2
+    assert "is not a readable Parquet file" in _error_line(capsys)
+
+
+# (override, what the one line must say): refused before the first stage.
+OVERRIDES = [
+    ("training.checkpoint_every=0", "training.checkpoint_every: must be >= 1"),
+    ("training.log_every=0", "training.log_every: must be >= 1"),
+    ("training.keep_checkpoints=0", "training.keep_checkpoints: must be >= 1"),
+    ("training.micro_batch_size=0", "training.micro_batch_size: must be >= 1"),
+    ("training.grad_accum_steps=0", "training.grad_accum_steps: must be >= 1"),
+    ("training.warmup_steps=-1", "training.warmup_steps: must be >= 0"),
+    ("training.grad_clip=-1", "training.grad_clip: must be >= 0"),
+    ("training.optimizer=sgd", "training.optimizer: 'sgd' is not one of"),
+    ("evaluation.gate.alias=latest", "evaluation.gate.alias: 'latest' alias name (case insensitive) is reserved"),
+    ("evaluation.gate.alias=LATEST", "evaluation.gate.alias: 'latest' alias name (case insensitive) is reserved"),
+    ("evaluation.gate.alias=v3", "evaluation.gate.alias: Version alias name 'v3' is reserved"),
+    ("evaluation.gate.alias='best one'", "evaluation.gate.alias: Invalid alias name: 'best one'"),
+    ("evaluation.gate.min_tau_gain=-0.1", "evaluation.gate.min_tau_gain: must be >= 0"),
+    ("serving.host=0.0.0.0", "serving.host: '0.0.0.0' reaches beyond this machine; set serving.api_key_env"),
+    ("serving.host=example.com", "serving.host: 'example.com' reaches beyond this machine"),
+    ("serving.port=0", "serving.port: must be a TCP port"),
+    ("serving.model=champion", "serving.model: 'champion' is not models:/<name>@<alias>"),
+    ("serving.model='runs:/0a1b/../..'", "serving.model: 'runs:/0a1b/../..': the path after the run id"),
+    ("serving.model=runs:/0a1b//etc", "serving.model: 'runs:/0a1b//etc': the path after the run id"),
+    ("serving.model=models:/m/latest", "serving.model: 'models:/m/latest' is not"),
+    ("stages=[prompts,nope]", "stages: unknown stage 'nope'"),
+    ("+training.no_such_option=3", "training.no_such_option: unknown config key"),
+]
+
+
+@pytest.mark.parametrize("override, message", OVERRIDES, ids=[case[0] for case in OVERRIDES])
+def test_a_bad_override_exits_2_before_the_first_stage(override, message, tmp_path, capsys):
+    cfg = compose([f"paths.root={tmp_path}", override])
+    assert run_job(cfg, "pipeline") == 2
+    assert _error_line(capsys).startswith(f"error: {message}")
+    assert not (tmp_path / "prompts").exists()
+
+
+def test_loopback_hosts_need_no_key_and_a_key_opens_any_host(tmp_path):
+    from pipeline.config.validate import validate
+
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        validate(compose([f"paths.root={tmp_path}", f"serving.host={host}"]))
+    validate(compose([f"paths.root={tmp_path}", "serving.host=0.0.0.0", "serving.api_key_env=KEY"]))
+
+
+def _store_with(tmp_path: Path, manifest) -> Path:
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+    return store
+
+
+GOOD_SHARD = {"file": "shard-0123456789abcdef.safetensors", "sha256": "0" * 64, "sample_ids": ["a"], "num_tokens": 3}
+MANIFESTS = [
+    ("not_json", "{shards: [", "is not JSON"),
+    ("a_list", [], "must be a JSON object"),
+    ("no_shards", {"layer_ids": [1]}, "'shards' must be a list"),
+    ("no_layers", {"shards": []}, "'layer_ids' must be a list of layer numbers"),
+    ("shard_escapes", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "file": "../x.safetensors"}]},
+     "'shards[0].file' must be a shard file name in the store"),
+    ("shard_absolute", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "file": "/etc/passwd"}]},
+     "'shards[0].file' must be a shard file name in the store"),
+    ("shard_in_subfolder", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "file": "sub/shard-0123456789abcdef"
+                                                                            ".safetensors"}]},
+     "'shards[0].file' must be a shard file name"),
+    ("bad_sha", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "sha256": "xyz"}]}, "'shards[0].sha256' must be"),
+    ("ids_not_list", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "sample_ids": "a"}]},
+     "'shards[0].sample_ids' must be a list"),
+    ("tokens_negative", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "num_tokens": -1}]},
+     "'shards[0].num_tokens' must be a token count"),
+]
+
+
+@pytest.mark.parametrize("name, manifest, message", MANIFESTS, ids=[case[0] for case in MANIFESTS])
+def test_a_malformed_store_manifest_is_refused_naming_the_field(name, manifest, message, tmp_path):
+    store = _store_with(tmp_path, manifest)
+    with pytest.raises(PipelineError) as refused:
+        load_manifest(store)
+    text = str(refused.value)
+    assert text.startswith(f"store: manifest '{store / 'manifest.json'}'") and message in text, text
+    assert "\n" not in text
+
+
+def test_a_malformed_manifest_ends_the_training_job_with_exit_2(tmp_path, tiny_verifier_path, capsys):
+    from pipeline.paths import StagePaths
+
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path))
+    store = StagePaths(cfg).store
+    store.mkdir(parents=True)
+    (store / "manifest.json").write_text(json.dumps({"layer_ids": [1], "shards": [{**GOOD_SHARD, "file": "../x"}]}))
+    assert run_job(cfg, "train") == 2
+    assert "'shards[0].file' must be a shard file name" in _error_line(capsys)
