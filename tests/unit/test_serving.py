@@ -73,7 +73,7 @@ def test_guard_checks_the_key_then_the_body_and_hands_the_whole_body_on():
     status, reply = call(guard, "/v1/chat/completions", b'{"messages": []}', key)
     assert status == 400 and "messages" in reply["error"]["message"]
     assert call(guard, "/v1/completions", b"x" * 3000, key)[0] == 413
-    assert call(guard, "/-/healthz", b"", method="GET")[0] == 200  # Serve's own routes stay open
+    assert call(guard, "/-/healthz", b"", method="GET")[0] == 200  # the health probe stays open
 
 
 def test_serve_config_comes_from_the_hydra_config(tmp_path):
@@ -236,3 +236,75 @@ def test_the_serve_config_file_is_what_serve_deploy_accepts(tmp_path):
     schema = ServeDeploySchema.model_validate(yaml.safe_load(yaml.safe_dump(config)))
     assert schema.applications[0].import_path == IMPORT_PATH
     assert schema.http_options.host == "127.0.0.1"
+
+
+POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/tokenize", "/detokenize")
+GET_ROUTES = ("/v1/models", "/v1/models/m", "/docs", "/openapi.json", "/redoc")
+KEY = [(b"authorization", b"Bearer s3cret")]
+GOOD_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
+
+
+def call_at(guard, path, body=b"", headers=(), method="POST", root_path=""):
+    """call() with the app mounted below root_path, as Ray Serve mounts it below a route_prefix."""
+    sent, chunks = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": root_path + path, "root_path": root_path, "method": method,
+             "headers": list(headers)}
+    asyncio.run(guard(scope, receive, send))
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+@pytest.mark.parametrize("root_path", ["", "/speculator"])
+@pytest.mark.parametrize("method, path", [("POST", r) for r in POST_ROUTES] + [("GET", r) for r in GET_ROUTES])
+def test_every_route_below_the_root_path_needs_the_key(method, path, root_path):
+    guard = RequestGuard(echo_app, api_key="s3cret", max_request_bytes=4096, max_model_len=2048)
+    body = json.dumps(GOOD_BODY).encode() if method == "POST" else b""
+    for headers in ([], [(b"authorization", b"Bearer wrong")], [(b"authorization", "Bearer clé".encode())],
+                    [(b"authorization", b"\xff\xfe")], [(b"authorization", b"s3cret")]):
+        status, reply = call_at(guard, path, body, headers, method, root_path)
+        assert status == 401 and reply["error"]["type"] == "authentication_error", (headers, reply)
+    assert call_at(guard, path, body, KEY, method, root_path)[0] == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/-/healthz"])
+def test_the_health_probe_needs_no_key(path):
+    guard = RequestGuard(echo_app, api_key="s3cret")
+    assert call_at(guard, path, method="GET")[0] == 200
+    assert call_at(guard, path, method="GET", root_path="/speculator")[0] == 200
+
+
+@pytest.mark.parametrize("path", POST_ROUTES)
+def test_every_post_route_refuses_deep_nesting_and_oversize_bodies_with_a_4xx(path):
+    guard = RequestGuard(echo_app, api_key="s3cret", max_request_bytes=16384, max_model_len=2048)
+    for depth in (65, 5000):  # past our limit, and past Python's recursion limit (a RecursionError: was a 500)
+        nested = b'{"model": "m", "x": ' + b"[" * depth + b"]" * depth + b"}"
+        status, reply = call_at(guard, path, nested, KEY)
+        assert status == 400 and "nests deeper than 64 levels" in reply["error"]["message"], reply
+    status, reply = call(guard, path, b'{"prompt": "' + b"x" * 17000 + b'"}', KEY)  # streamed in two chunks
+    assert status == 413 and "larger than 16384 bytes" in reply["error"]["message"]
+    declared = KEY + [(b"content-length", b"99999")]
+    assert call_at(guard, path, b"{}", declared)[0] == 413  # refused on its declared length, before reading
+    status, reply = call_at(guard, path, b"[1]", KEY)
+    assert status == 400 and "must be a JSON object" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("extra", [{"stream": True}, {"n": 3}, {"logprobs": True, "top_logprobs": 5},
+                                   {"stream": True, "stream_options": {"include_usage": True}}, {"logprobs": 2}])
+def test_streaming_n_and_logprobs_requests_reach_the_engine_whole(extra):
+    guard = RequestGuard(echo_app, api_key="s3cret", max_request_bytes=4096, max_model_len=2048)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        body = json.dumps({**GOOD_BODY, **extra}).encode()
+        status, reply = call_at(guard, path, body, KEY)
+        assert status == 200 and json.loads(reply["echo"]) == {**GOOD_BODY, **extra}
+
+
+def test_a_multipart_upload_is_not_parsed_as_json():
+    guard = RequestGuard(echo_app, api_key="s3cret", max_request_bytes=4096)
+    headers = KEY + [(b"content-type", b"multipart/form-data; boundary=x")]
+    assert call_at(guard, "/v1/audio/transcriptions", b"--x\r\n\r\n--x--", headers)[0] == 200
