@@ -85,6 +85,20 @@ def record_served_tau(client: Any, resolved: ResolvedSpeculator, model_name: str
     return metrics
 
 
+def report_served_tau(client: Any, resolved: ResolvedSpeculator, model_name: str, metrics_url: str) -> dict:
+    """record_served_tau for the serving loop: a failed scrape or MLflow call is one warning, and the endpoint keeps
+    serving (leaving the loop would stop the Ray it runs on); the next round tries again."""
+    try:
+        served = record_served_tau(client, resolved, model_name, metrics_url)
+    except Exception as error:  # noqa: BLE001 - urllib, MLflow and parse errors alike must not end serving
+        log.warning("serve: served tau not recorded this round (%s: %s); still serving", type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "")
+        return {}
+    if served:
+        log.info("serve: served tau %.3f over %d draft steps", served["served.tau"], served["served.num_drafts"])
+    return served
+
+
 def serve(ctx: Context) -> dict:
     from pipeline.cluster import ensure_ray
 
@@ -100,10 +114,7 @@ def serve(ctx: Context) -> dict:
         while True:
             time.sleep(ctx.cfg.serving.metrics_interval_s or 3600)
             if resolved and ctx.cfg.serving.metrics_interval_s:
-                served = record_served_tau(ctx.tracker.client, resolved, served_name(config), metrics_url)
-                if served:
-                    log.info("serve: served tau %.3f over %d draft steps", served["served.tau"],
-                             served["served.num_drafts"])
+                report_served_tau(ctx.tracker.client, resolved, served_name(config), metrics_url)
     except KeyboardInterrupt:
         log.info("serve: stopping")
     return result

@@ -308,3 +308,32 @@ def test_a_multipart_upload_is_not_parsed_as_json():
     guard = RequestGuard(echo_app, api_key="s3cret", max_request_bytes=4096)
     headers = KEY + [(b"content-type", b"multipart/form-data; boundary=x")]
     assert call_at(guard, "/v1/audio/transcriptions", b"--x\r\n\r\n--x--", headers)[0] == 200
+
+
+def test_a_failed_metrics_scrape_or_mlflow_call_is_a_warning_and_serving_goes_on(monkeypatch, caplog):
+    import urllib.error
+
+    from pipeline.serving import job
+    from pipeline.serving.registry import ResolvedSpeculator
+
+    resolved = ResolvedSpeculator(uri="models:/m/1", local_dir=Path("/nowhere"), algorithm="eagle3", run_id="0a")
+    counters = "".join(f'# TYPE ray_vllm_spec_decode_{name}_total counter\n'
+                       f'ray_vllm_spec_decode_{name}_total{{model_name="m"}} {value}\n'
+                       for name, value in (("num_drafts", 10), ("num_draft_tokens", 40), ("num_accepted_tokens", 12)))
+    outcomes = [urllib.error.URLError("connection refused"), counters]
+
+    def scrape(url):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    class FailingClient:  # MLflow down: every call raises
+        def log_batch(self, *args, **kwargs):
+            raise RuntimeError("503 Service Unavailable")
+
+    monkeypatch.setattr(job, "scrape", scrape)
+    assert job.report_served_tau(FailingClient(), resolved, "m", "http://127.0.0.1:1/metrics") == {}
+    assert "served tau not recorded this round (URLError" in caplog.text
+    assert job.report_served_tau(FailingClient(), resolved, "m", "http://127.0.0.1:1/metrics") == {}
+    assert "(RuntimeError: 503 Service Unavailable); still serving" in caplog.text
