@@ -2,7 +2,7 @@
 
     python benchmarks/versus_speculators.py --root DIR [--drafters peagle eagle3 dflash] [--steps 300]
         [--eval-sets held_out code math chat] [--prompts-per-set 8] [--max-new-tokens 48]
-        [--override KEY=VALUE ...] [--work DIR2] [--out FILE]
+        [--override KEY=VALUE ...] [--work DIR2] [--out FILE] [--update]
 
 DIR holds a generated store (e.g. `python jobs/pipeline.py paths.root=DIR`). For each drafter:
 
@@ -377,6 +377,18 @@ def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
     }
 
 
+def earlier_results(out: Path, settings: dict) -> dict:
+    """--update: the drafters FILE already holds, refused when FILE was measured with other settings."""
+    if not out.is_file():
+        return {}
+    earlier = json.loads(out.read_text())
+    differing = [key for key in ("root", "steps", "eval_sets", "prompts_per_set", "max_new_tokens", "overrides")
+                 if earlier.get(key) != settings[key]]
+    if differing:
+        raise SystemExit(f"--update: {out} was measured with other {differing}; rerun every drafter instead")
+    return earlier.get("drafters", {})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True, help="an output root with a generated store")
@@ -390,6 +402,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42, help="their seed (their CLI's default)")
     parser.add_argument("--work", help="where both sides' runs go (default: <root>/bench-versus-speculators)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "versus_speculators.json"))
+    parser.add_argument("--update", action="store_true", help="keep FILE's other drafters' results (measured with "
+                        "the same settings) and replace only those of --drafters")
     args = parser.parse_args()
 
     root = Path(args.root).expanduser().resolve()
@@ -403,6 +417,8 @@ def main() -> None:
     result = {"machine": machine_info(), "root": str(root), "steps": args.steps, "eval_sets": args.eval_sets,
               "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
               "overrides": args.override, "goal_ours_over_theirs": GOAL, "drafters": {}}
+    if args.update:
+        result["drafters"] = earlier_results(Path(args.out), result)
     for algorithm in args.drafters:
         print(f"[versus] {algorithm} ...", file=sys.stderr, flush=True)
         try:

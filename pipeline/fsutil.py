@@ -10,12 +10,47 @@ from pathlib import Path
 from typing import Iterator
 
 
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under `folder`, then the folders themselves, to disk: a rename is durable only once what it
+    names is (after a power loss, a renamed but unflushed file can read back empty)."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = Path(root) / name
+            if not path.is_symlink():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def publish(tmp: Path | str, final: Path) -> None:
+    """Rename a finished temporary file to its final name, durably: the file's bytes, then the rename."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(Path(final).parent)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # the rename itself
 
 
 @contextlib.contextmanager
@@ -25,9 +60,11 @@ def atomic_folder(target: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield staging
+        fsync_tree(staging)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
+        _fsync_dir(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, publish
+from pipeline.integrity import sha256_file
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.safetensors"
@@ -34,14 +35,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
 COMPRESSIONS = ("none", "fp8")
 BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def shard_name(sample_ids: list[str]) -> str:
@@ -94,7 +87,7 @@ def write_shard(store_dir: Path, samples: list[dict[str, Any]], layer_ids: list[
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=store_dir)
     os.close(fd)
     save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, final)
+    publish(tmp, final)
     return {"file": name, "sha256": sha256_file(final), "sample_ids": sample_ids, "num_tokens": sum(lengths),
             "relative_error": (squared_error / max(squared_norm, 1e-24)) ** 0.5}
 

@@ -6,14 +6,15 @@ from pathlib import Path
 from typing import Optional
 
 
-def decoding_drafter(checkpoint: Path, confidence_threshold: Optional[float] = None):
+def decoding_drafter(checkpoint: Path, confidence_threshold: Optional[float] = None, verified: bool = True):
     """The drafter of a checkpoint folder as vLLM will serve it: weights rounded in place to the export dtype
     (bf16, pipeline.export.speculators_format); DSpark's block truncation set to `confidence_threshold` (a decoding
-    setting, not a weight). Raises PipelineError for a folder that is not a complete checkpoint."""
+    setting, not a weight). Raises PipelineError for a folder that is not a complete checkpoint (verified: or not
+    the files its integrity records list)."""
     from pipeline.export.speculators_format import round_to_export_dtype
     from pipeline.training.checkpoint import load_checkpoint
 
-    drafter = round_to_export_dtype(load_checkpoint(checkpoint)[0])
+    drafter = round_to_export_dtype(load_checkpoint(checkpoint, verified)[0])
     if confidence_threshold is not None and hasattr(drafter, "confidence_threshold"):
         drafter.confidence_threshold = float(confidence_threshold)
     return drafter

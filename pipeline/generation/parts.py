@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipeline.fsutil import publish
+
 PART_GLOB = "part-*.parquet"
 COLUMNS = ["sample_id", "messages_json", "input_ids", "loss_mask", "skip_reason", "truncated"]
 
@@ -26,7 +28,7 @@ def write_part(folder: Path, rows: list[dict]) -> str:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
     os.close(fd)
     pd.DataFrame(rows, columns=COLUMNS).to_parquet(tmp, index=False)
-    os.replace(tmp, folder / name)
+    publish(tmp, folder / name)
     return name
 
 

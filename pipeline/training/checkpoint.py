@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
+from pipeline.integrity import verify
 
 SPEC_FILE, WEIGHTS_FILE, STATE_FILE = "spec.json", "drafter.safetensors", "train_state.json"
 
@@ -30,11 +31,15 @@ def load_trainable_weights(model: Any, folder: Path) -> None:
                             f"unexpected {unexpected}")
 
 
-def load_checkpoint(folder: Path):
-    """(model with trained weights, train state); refuses a folder that is not a complete checkpoint."""
+def load_checkpoint(folder: Path, verified: bool = True):
+    """(model with trained weights, train state); refuses a folder that is not a complete checkpoint, or (verified)
+    whose files are not those its integrity records list (pipeline/integrity.py). verified=False only for a folder
+    this process has just written and not sealed yet (val.tau at a checkpoint)."""
     from pipeline.drafters.build import build_drafter
 
     folder = Path(folder)
+    if verified:
+        verify(folder)
     for name in (SPEC_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise PipelineError(f"checkpoint: '{folder}' has no {name}")

@@ -15,6 +15,7 @@ from pipeline.data.store import load_manifest, read_samples, sample_locations
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
 from pipeline.evaluation.metrics import expected_tau
+from pipeline.integrity import seal
 from pipeline.tracking import log_metric_batch
 from pipeline.training import dist
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
@@ -258,6 +259,7 @@ def _report_checkpoint(metrics: dict, engine: Engine, state: dict, sink: Metrics
             if dist.is_rank_zero():
                 save_checkpoint(Path(tmp), engine.module, state)
         metrics = {**metrics, **val_tau.measure(Path(tmp))}
+        seal(Path(tmp), dist.rank(), dist.world_size())  # each rank its own files: Ray Train merges the folders
         sink.log(metrics, state["step"])
         sink.checkpoint(Path(tmp), state["step"])
         ray.train.report({**metrics, "step": state["step"]}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -19,6 +19,7 @@ from typing import Optional
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
+from pipeline.integrity import is_intact, verify
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE
 
 DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
@@ -71,10 +72,11 @@ def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[Res
     for name in (SPEC_FILE, STATE_FILE):
         if not (folder / name).is_file():
             raise PipelineError(f"training.resume_from: '{folder}' has no {name} (not a training checkpoint)")
-    check_same_drafter(json.loads((folder / SPEC_FILE).read_text()), spec, folder)
+    check_same_drafter(json.loads((folder / SPEC_FILE).read_text()), spec, folder)  # JSON: safe to read first
     state = json.loads((folder / STATE_FILE).read_text())
     if "global_batch" not in state:
         raise PipelineError(f"training.resume_from: '{folder}' holds weights only (no optimizer state to resume)")
+    verify(folder, "training.resume_from")  # before DeepSpeed unpickles a single file of it
     return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
                        world_size=int(state["world_size"]), zero_stage=int(state["zero_stage"]),
                        uses_deepspeed=bool(state["deepspeed"]), token_budget=state.get("token_budget"),
@@ -90,7 +92,10 @@ def check_same_data_order(point: ResumePoint, training: dict) -> None:
 
 
 def _is_complete(folder: Path) -> bool:
-    """Every file a resume reads is there (a run killed while Ray gathered the ranks' files leaves a partial one)."""
+    """Every file a resume reads is there, whole (a run killed while Ray gathered the ranks' files leaves a partial
+    one; a crash can truncate a file): the integrity records of every rank hold."""
+    if not is_intact(folder):
+        return False
     try:
         state = json.loads((folder / STATE_FILE).read_text())
     except (OSError, ValueError):

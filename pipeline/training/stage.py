@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -16,6 +17,7 @@ from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError
 from pipeline.fsutil import copy_folder_atomic
+from pipeline.integrity import verify
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.training.loop import train_loop_per_worker
 from pipeline.training.resume import check_same_data_order, latest_complete_checkpoint, read_resume_point
@@ -72,10 +74,16 @@ def _worker_env(use_gpu: bool) -> dict:
 def run(ctx: Context, run_id: str | None = None) -> Path:
     """Train (or reuse a finished run of the same config) and return the final checkpoint folder."""
     final = ctx.paths.final_checkpoint
-    if (final / STATE_FILE).is_file():
-        log.info("train: reusing the finished checkpoint %s", final)
-        ctx.set_tags({"train.reused": True, "train.checkpoint": str(final)})
-        return final
+    if final.is_dir():
+        try:
+            verify(final)
+            log.info("train: reusing the finished checkpoint %s", final)
+            ctx.set_tags({"train.reused": True, "train.checkpoint": str(final)})
+            return final
+        except PipelineError as problem:  # a truncated or changed file: never picked again, made again
+            log.warning("train: the finished checkpoint fails its integrity check (%s); removing it and making it "
+                        "again", problem)
+            shutil.rmtree(final)
     store = ctx.paths.store
     if not (store / "manifest.json").is_file():
         raise PipelineError(f"train: no hidden-state store (manifest.json) at {store}; "
@@ -101,7 +109,14 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     }
     resume_from = _resume_from(ctx)
     if resume_from:  # refuse another drafter's checkpoint, or another data order, before starting workers
-        check_same_data_order(read_resume_point(resume_from, spec), loop_config["training"])
+        point = read_resume_point(resume_from, spec)
+        check_same_data_order(point, loop_config["training"])
+        if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
+            log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
+                        "among the run's checkpoints is not made again)", resume_from, point.step,
+                        cfg.training.max_steps, cfg.training.select_best_by)
+            copy_folder_atomic(resume_from, final)
+            return final
         log.info("train: resuming from %s", resume_from)
         loop_config["resume_from"] = str(resume_from)
     result = _fit(ctx, loop_config)

@@ -56,7 +56,7 @@ class AcceptanceProbe:
         from pipeline.evaluation.reference_decoder import SpeculativeDecoder
 
         verifier = self._load()
-        drafter = decoding_drafter(checkpoint, self.confidence_threshold).to(verifier.device)
+        drafter = decoding_drafter(checkpoint, self.confidence_threshold, verified=False)  # this rank's own, not yet sealed.to(verifier.device)
         decoder = SpeculativeDecoder(verifier, drafter, self.k)
         counts = []
         for start in range(0, len(self.prompts), self.batch_size):

@@ -19,6 +19,7 @@ from pipeline.export.model_card import model_card
 from pipeline.export.speculators_format import export_digest
 from pipeline.paths import StagePaths
 from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, child_run_name, parent_run_name
+from pipeline.integrity import seal
 from pipeline.training.checkpoint import save_checkpoint
 from pipeline.drafters.build import build_drafter
 from tests.unit.tiny_drafters import tiny_spec, verifier_tensors
@@ -146,6 +147,7 @@ def export(cfg, tmp_path):
     spec = dataclasses.replace(tiny_spec("peagle"), verifier_path=str(verifier))
     checkpoint = tmp_path / "checkpoint"
     save_checkpoint(checkpoint, build_drafter(spec, (embedding, head)), {"step": 6})
+    seal(checkpoint, rank=0, world_size=1)
     ctx = Context(cfg=cfg, paths=StagePaths(cfg), tracker=Tracker(cfg))
 
     def run(evaluation: dict | None) -> dict:
