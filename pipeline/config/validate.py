@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import schema as schema_module
 from pipeline.data.prompts import OFFLINE_SOURCES
@@ -79,6 +79,7 @@ def validate(cfg: DictConfig) -> None:
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
+    _validate_no_credentials(cfg)
     _validate_serving(cfg.serving)
     _validate_generation_parallelism(cfg.generation)
     _validate_cluster_shape(cfg)
@@ -166,6 +167,20 @@ def _validate_optimizer(training: DictConfig) -> None:
     for key in ("weight_decay", "muon_weight_decay", "muon_momentum"):
         _require(training[key] >= 0, f"training.{key}: must be >= 0")
     _require(training.muon_momentum < 1, "training.muon_momentum: must be < 1")
+
+
+def _validate_no_credentials(cfg: DictConfig) -> None:
+    """Every URI the config holds reaches MLflow params, the Serve config or a manifest: none may carry a secret."""
+    import os
+
+    from pipeline.tracking import refuse_credentials
+
+    for field in ("cluster.mlflow_uri", "tracking.tracking_uri"):  # the first interpolates into the second
+        value = OmegaConf.select(cfg, field)
+        if value:
+            refuse_credentials(str(value), field)
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        refuse_credentials(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI")
 
 
 def _validate_training_cadence(training: DictConfig) -> None:

@@ -26,10 +26,30 @@ EXPERIMENT_KIND = "custom_model_development"
 SEPARATOR = " · "
 
 
+def refuse_credentials(uri: str, source: str) -> None:
+    """A URI with a user or password (`https://user:secret@host`) would carry the secret into MLflow params, the
+    Serve config and the RayService manifest; MLflow reads credentials from MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead. The message shows the URI without them."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return
+    if parts.username is None and parts.password is None:
+        return
+    shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1]).geturl()
+    raise PipelineError(f"{source}: '{shown}' carries credentials; put them in MLFLOW_TRACKING_USERNAME and "
+                        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead, so they never reach params, "
+                        "logs or manifests")
+
+
 def tracking_uri(cfg: DictConfig) -> str:
     if cfg.tracking.tracking_uri:
+        refuse_credentials(str(cfg.tracking.tracking_uri), "tracking.tracking_uri")
         return str(cfg.tracking.tracking_uri)
     if os.environ.get("MLFLOW_TRACKING_URI"):
+        refuse_credentials(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI")
         return os.environ["MLFLOW_TRACKING_URI"]
     root = Path(cfg.paths.root).expanduser().resolve() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)

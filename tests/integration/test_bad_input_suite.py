@@ -175,3 +175,26 @@ def test_a_malformed_manifest_ends_the_training_job_with_exit_2(tmp_path, tiny_v
     (store / "manifest.json").write_text(json.dumps({"layer_ids": [1], "shards": [{**GOOD_SHARD, "file": "../x"}]}))
     assert run_job(cfg, "train") == 2
     assert "'shards[0].file' must be a shard file name" in _error_line(capsys)
+
+
+CREDENTIAL_URIS = [
+    ("tracking.tracking_uri", "https://alice:hunter2@mlflow.example.com"),
+    ("tracking.tracking_uri", "https://hunter2@mlflow.example.com"),
+    ("tracking.tracking_uri", "postgresql://mlflow:hunter2@db:5432/mlflow"),
+    ("cluster.mlflow_uri", "http://alice:hunter2@mlflow:5000"),
+]
+
+
+@pytest.mark.parametrize("field, uri", CREDENTIAL_URIS)
+def test_a_uri_with_credentials_is_refused_without_echoing_them(field, uri, tmp_path, capsys):
+    assert run_job(compose([f"paths.root={tmp_path}", f"{field}={uri}"]), "pipeline") == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "alice" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {field}: '") and "carries credentials" in err
+
+
+def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:hunter2@mlflow.example.com")
+    assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and err.strip().splitlines()[-1].startswith("error: MLFLOW_TRACKING_URI: '")
