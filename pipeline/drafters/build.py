@@ -41,16 +41,29 @@ def _layer_config_dict(verifier_config: Any) -> dict[str, Any]:
     return {key: values[key] for key in keep if key in values and values[key] is not None}
 
 
+def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
+    """Aux layer id i is the residual stream after verifier layer i (HF `hidden_states[i]`), which vLLM's EAGLE-3
+    models collect as the input of layer i: so 1 <= i < num_layers (layer 0 has no residual yet; HF's state after
+    the last layer is taken after the final norm, which vLLM never feeds the drafter), distinct, in increasing order
+    (vLLM concatenates them in layer order; fc trained on another order reads the wrong blocks)."""
+    if len(set(aux)) != len(aux):
+        raise PipelineError(f"drafter.aux_layer_ids: {aux} repeats a layer (speculators and vLLM need distinct ids)")
+    for layer_id in aux:
+        if not 1 <= layer_id < num_layers:
+            raise PipelineError(f"drafter.aux_layer_ids: {layer_id} is outside 1..{num_layers - 1} for this verifier "
+                                f"of {num_layers} layers (layer {num_layers}'s state is stored after the final norm, "
+                                "which vLLM does not feed the drafter)")
+    if aux != sorted(aux):
+        raise PipelineError(f"drafter.aux_layer_ids: {aux} is not in increasing order; vLLM concatenates the aux "
+                            f"hidden states in layer order ({sorted(aux)})")
+
+
 def make_spec(
     drafter_cfg: Any, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
 ) -> DrafterSpec:
     num_layers = int(verifier_config.num_hidden_layers)
     aux = list(drafter_cfg.aux_layer_ids or default_aux_layer_ids(drafter_cfg.name, num_layers))
-    if len(set(aux)) != len(aux):
-        raise PipelineError(f"drafter.aux_layer_ids: {aux} repeats a layer (speculators and vLLM need distinct ids)")
-    for layer_id in aux:
-        if not 0 <= layer_id <= num_layers:
-            raise PipelineError(f"drafter.aux_layer_ids: {layer_id} is outside 0..{num_layers} for this verifier")
+    check_aux_layer_ids(aux, num_layers)
     mask_token_id = drafter_cfg.mask_token_id if drafter_cfg.mask_token_id is not None else default_mask_token_id
     from pipeline.drafters import drafter_class
 

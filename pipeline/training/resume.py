@@ -52,16 +52,24 @@ class ResumePoint:
         return self.folder / DEEPSPEED_DIR
 
 
-def _shown(key: str, value) -> str:
-    return f"{len(value)} tokens" if key == "draft vocabulary" and value else repr(value)
+def _difference(key: str, saved, ours) -> str:
+    """How the checkpoint's value differs from this run's, readably: a draft vocabulary of the same size names the
+    first token id that differs rather than showing 'N tokens' twice."""
+    if key != "draft vocabulary" or not saved or not ours:
+        return f"{key} {saved!r}, this run has {ours!r}"
+    if len(saved) != len(ours):
+        return f"a draft vocabulary of {len(saved)} tokens, this run has {len(ours)}"
+    index = next(i for i, (a, b) in enumerate(zip(saved, ours)) if a != b)
+    return (f"another draft vocabulary of the same {len(saved)} tokens (entry {index}: token {saved[index]}, this "
+            f"run has {ours[index]}; the drafter.draft_vocab_size tokens are counted on the store)")
 
 
 def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
     theirs, ours = drafter_identity(saved), drafter_identity(spec.to_dict())
     for key, value in ours.items():
         if theirs[key] != value:
-            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {key} {_shown(key, theirs[key])}, "
-                                f"this run has {_shown(key, value)}; it cannot be resumed here")
+            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {_difference(key, theirs[key], value)}"
+                                "; it cannot be resumed here")
 
 
 def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[ResumePoint]:

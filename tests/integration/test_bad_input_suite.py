@@ -198,3 +198,38 @@ def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path
     assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
     err = capsys.readouterr().err
     assert "hunter2" not in err and err.strip().splitlines()[-1].startswith("error: MLFLOW_TRACKING_URI: '")
+
+
+@pytest.mark.parametrize("aux, message", [
+    ("[3,1,2]", r"\[3, 1, 2\] is not in increasing order; vLLM concatenates .* \(\[1, 2, 3\]\)"),
+    ("[1,2,6]", r"6 is outside 1\.\.5 for this verifier of 6 layers \(layer 6's state is stored after the final"),
+    ("[0,2,3]", r"0 is outside 1\.\.5"),
+    ("[1,2,2]", r"\[1, 2, 2\] repeats a layer"),
+])
+def test_aux_layer_ids_vllm_would_read_otherwise_are_refused(aux, message, tiny_verifier_path):
+    from transformers import AutoConfig
+
+    from pipeline.drafters.build import make_spec
+
+    config = AutoConfig.from_pretrained(tiny_verifier_path)
+    with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: " + message):
+        make_spec(compose([f"drafter.aux_layer_ids={aux}"]).drafter, config, "t", tiny_verifier_path, 0)
+
+
+def test_a_resume_with_another_draft_vocabulary_of_the_same_size_names_the_first_difference(tmp_path):
+    import dataclasses
+
+    from pipeline.training.resume import check_same_drafter
+    from tests.unit.tiny_drafters import tiny_drafter
+
+    spec = tiny_drafter("eagle3").spec
+    saved = spec.to_dict()
+    ours = dataclasses.replace(spec, draft_token_ids=[0, 1, 2, 5])
+    saved["draft_token_ids"] = [0, 1, 3, 5]
+    with pytest.raises(PipelineError, match=r"another draft vocabulary of the same 4 tokens \(entry 2: token 3, this "
+                                            r"run has 2"):
+        check_same_drafter(saved, ours, tmp_path)
+    saved["draft_token_ids"] = [0, 1, 3]
+    with pytest.raises(PipelineError, match="a draft vocabulary of 3 tokens, this run has 4"):
+        check_same_drafter(saved, ours, tmp_path)
+
