@@ -44,6 +44,18 @@ def refuse_credentials(uri: str, source: str) -> None:
                         "logs or manifests")
 
 
+def refuse_links(path: Path) -> None:
+    """PipelineError naming the first symbolic link at or under `path` (links are not followed while looking)."""
+    candidates = [path]
+    if path.is_dir() and not path.is_symlink():
+        for root, directories, names in os.walk(path, followlinks=False):
+            candidates += [Path(root) / name for name in directories + names]
+    for candidate in candidates:
+        if candidate.is_symlink():
+            raise PipelineError(f"tracking: '{candidate}' is a link; artifacts are uploaded only from the files a "
+                                "stage wrote (the link would publish what it points at)")
+
+
 def tracking_uri(cfg: DictConfig) -> str:
     if cfg.tracking.tracking_uri:
         refuse_credentials(str(cfg.tracking.tracking_uri), "tracking.tracking_uri")
@@ -217,6 +229,9 @@ class Tracker:
             self.client.set_tag(self._active[-1], key, str(value))
 
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
+        """Upload a file or a folder. A link anywhere in it is refused: MLflow's upload follows links, so one in a
+        stage folder would publish whatever it points at (a key file, another run's outputs)."""
+        refuse_links(Path(path))
         if Path(path).is_dir():
             self.client.log_artifacts(self._active[-1], str(path), artifact_path=artifact_path)
         else:

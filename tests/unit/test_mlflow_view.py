@@ -18,6 +18,7 @@ from pipeline.export import stage as export_stage
 from pipeline.export.model_card import model_card
 from pipeline.export.speculators_format import export_digest
 from pipeline.paths import StagePaths
+from pipeline.errors import PipelineError
 from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, child_run_name, parent_run_name
 from pipeline.integrity import seal
 from pipeline.training.checkpoint import save_checkpoint
@@ -185,3 +186,20 @@ def test_registering_the_same_export_twice_yields_one_version(export):
     card = ctx.tracker.client.get_model_version(name, unevaluated["version"]).description
     assert "Not evaluated" in card and card == (ctx.paths.export / "README.md").read_text()
     assert run(None)["version"] == unevaluated["version"]
+
+
+def test_an_artifact_folder_holding_a_link_is_not_uploaded(cfg, tmp_path):
+    secret = tmp_path / "elsewhere" / "key.pem"
+    secret.parent.mkdir()
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    folder = tmp_path / "export"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "sub" / "key.pem").symlink_to(secret)
+    tracker = Tracker(cfg)
+    with tracker.parent_run("export") as run_id:
+        with pytest.raises(PipelineError, match=r"tracking: '.*sub/key\.pem' is a link"):
+            tracker.log_artifact(folder, "speculator")
+        with pytest.raises(PipelineError, match="is a link"):
+            tracker.log_artifact(folder / "sub" / "key.pem", "speculator")
+        assert tracker.client.list_artifacts(run_id) == []  # nothing was uploaded, not even config.json
