@@ -43,8 +43,9 @@ def _files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def seal(folder: Path, rank: int, world_size: int) -> Path:
-    """Record every file now under `folder` as rank `rank`'s of `world_size` writers; returns the record."""
+def seal(folder: Path, rank: int = 0, world_size: int = 1) -> Path:
+    """Record every file now under `folder` as rank `rank`'s of `world_size` writers (a folder one process writes,
+    such as an export: the defaults); returns the record."""
     files = {}
     for relative, path in sorted(_files(folder).items()):
         if _is_record(relative):
@@ -69,7 +70,7 @@ def _records(folder: Path) -> list[dict]:
     return records
 
 
-def verify(folder: Path, what: str = "checkpoint") -> None:
+def verify(folder: Path, what: str = "checkpoint") -> None:  # what: the field or kind the message names
     """Raise PipelineError naming the first problem: no record, a rank's record missing, a listed file missing,
     linked, truncated or changed, or a file no record lists."""
     folder = Path(folder)

@@ -116,11 +116,11 @@ def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype 
     return target
 
 
-def export_digest(folder: Path, exclude: tuple[str, ...] = ("README.md",)) -> str:
+def export_digest(folder: Path, exclude: tuple[str, ...] = ("README.md", "integrity-rank0.json")) -> str:
     """sha256 (hex) over every file of an export folder but `exclude` (paths relative to it): each file's relative
     path, size and bytes, in path order, so the same weights and config always give the same digest. The model
     card (README.md) is left out: it names the registered version and the run that made it, which the digest
-    must not depend on. Raises OSError when a file cannot be read."""
+    must not depend on; so is the integrity record written after the card. Raises OSError when a file cannot be read."""
     digest = hashlib.sha256()
     files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
     for path in files:

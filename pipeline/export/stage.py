@@ -11,6 +11,7 @@ from pipeline.context import Context
 from pipeline.export.model_card import CARD_FILE, model_card
 from pipeline.export.speculators_format import export_digest, export_speculators
 from pipeline.fsutil import atomic_write_text
+from pipeline.integrity import seal
 from pipeline.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def _publish(ctx: Context, folder: Path, card: str, registered: Registration | N
     """Write the card into the export and log the folder; a version registered by this call is removed again
     when logging fails, so the registry never points at files that were not logged."""
     atomic_write_text(folder / CARD_FILE, card)
+    seal(folder)  # what a server that downloads this version checks before serving it
     created = registered is not None and registered.created
     try:
         ctx.log_artifact(folder, ARTIFACT_PATH)
@@ -100,4 +102,5 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
         _publish(ctx, folder, card, registered)
     else:
         atomic_write_text(folder / CARD_FILE, card)
+        seal(folder)
     return result

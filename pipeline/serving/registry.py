@@ -8,13 +8,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_folder
+from pipeline.integrity import is_intact, verify
 
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 RUN_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-f]+)/(?P<path>.+)$")
@@ -57,20 +60,33 @@ def served_model_name(uri: str, default: str) -> str:
     return model["name"] if model else default
 
 
+def _usable(local: Path) -> bool:
+    return (local / "config.json").is_file() and is_intact(local)
+
+
 def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
-    """A registered version's files never change, so a finished download is reused (the job and the Serve app
-    both resolve); a download is renamed into place only once complete."""
+    """The speculator's folder under `into`, downloaded once and checked against the integrity record its export
+    wrote (sizes and sha256 of every file) before it is used, and again whenever it is reused: a damaged cache is
+    downloaded again, a damaged download is refused. A finished download is never replaced while it may be in use:
+    when another resolver (the job, the Serve app) renamed its own into place first, this one is dropped."""
     local = into / path
-    if not (local / "config.json").is_file():
+    if _usable(local):
+        return local
+    into.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{into.name}.", dir=into.parent))
+    try:
+        client.download_artifacts(run_id, path, str(staging))
+        if not (staging / path / "config.json").is_file():
+            raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")
+        verify(staging / path, "serving.model")
         try:
-            with atomic_folder(into) as staging:
-                client.download_artifacts(run_id, path, str(staging))
-        except OSError:
-            # Another resolver (the job, the Serve app) renamed its finished download into place first.
-            if not (local / "config.json").is_file():
-                raise
-    if not (local / "config.json").is_file():
-        raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")
+            os.rename(staging, into)
+        except OSError:  # `into` exists: another resolver's finished download, or a damaged one
+            if not _usable(local):
+                shutil.rmtree(into, ignore_errors=True)
+                os.rename(staging, into)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return local
 
 
@@ -86,7 +102,8 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             version = (client.get_model_version_by_alias(name, model["alias"]) if model["alias"]
                        else client.get_model_version(name, model["version"]))
             run_id, path = version.run_id, version.source.rstrip("/").rsplit("/", 1)[-1]
-            local = _download(client, run_id, path, download_root / f"{name}-v{version.version}")
+            # The run id in the name: a recreated model, or another tracking server, has other runs behind v<N>.
+            local = _download(client, run_id, path, download_root / f"{name}-v{version.version}-{run_id[:12]}")
             tags, number = dict(version.tags), str(version.version)
         else:
             run_id, path = run["run_id"], run["path"]

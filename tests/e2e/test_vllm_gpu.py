@@ -38,6 +38,9 @@ def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     export = random_dspark_export(tmp_path, smollm2_path)
+    from pipeline.integrity import seal
+
+    seal(export)  # as the export stage seals it
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([prompt_ids(tokenizer, [{"role": "user", "content": text}])
                                    for text in ("Write a Python function that adds two numbers.", "What is 2+2?")]))

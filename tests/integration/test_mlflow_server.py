@@ -130,6 +130,9 @@ def test_the_manifests_mlflow_server_keeps_runs_in_postgres_and_artifacts_in_s3(
     export = tmp_path / "export"
     export.mkdir()
     (export / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    from pipeline.integrity import seal
+
+    seal(export)  # as the export stage seals it
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_metrics({"eval.pooled_tau": 1.5})
         tracker.log_artifact(export, "speculator")

@@ -12,6 +12,7 @@ import yaml
 
 from pipeline.config import compose, validate
 from pipeline.errors import PipelineError
+from pipeline.integrity import seal
 from pipeline.serving.app import IMPORT_PATH, llm_config, speculator_source, with_speculator
 from pipeline.serving.guard import RequestGuard, request_problem
 from pipeline.serving.metrics import served_metrics, spec_decode_counters
@@ -108,7 +109,8 @@ def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
     llm = llm_config(compose([]).serving, "m", "/verifier")
     source = speculator_source("models:/m@champion", None, str(tmp_path / "downloads"), tracker.uri)
     with_spec, resolved = with_speculator(llm, source)
-    drafter = tmp_path / "downloads" / f"m-v{version}" / "speculator"
+    run_id = tracker.client.get_model_version("m", version).run_id
+    drafter = tmp_path / "downloads" / f"m-v{version}-{run_id[:12]}" / "speculator"
     assert resolved.local_dir == drafter and resolved.version == version
     assert with_spec["engine_kwargs"]["speculative_config"] == {
         "model": str(drafter), "num_speculative_tokens": 3, "method": "eagle3", "parallel_drafting": True}
@@ -132,6 +134,7 @@ def register_speculator(tracker, tmp_path, algorithm, tags):
     export = tmp_path / "export"
     export.mkdir(exist_ok=True)
     (export / "config.json").write_text(json.dumps({"speculators_model_type": algorithm}))
+    seal(export)  # as the export stage seals it
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_artifact(export, "speculator")
         version = tracker.register("m", "speculator", run_id, tags)
@@ -337,3 +340,37 @@ def test_a_failed_metrics_scrape_or_mlflow_call_is_a_warning_and_serving_goes_on
     assert "served tau not recorded this round (URLError" in caplog.text
     assert job.report_served_tau(FailingClient(), resolved, "m", "http://127.0.0.1:1/metrics") == {}
     assert "(RuntimeError: 503 Service Unavailable); still serving" in caplog.text
+
+
+def test_a_download_is_checked_against_its_integrity_record_and_never_deletes_a_finished_one(tmp_path, monkeypatch):
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    version = register_speculator(tracker, tmp_path, "peagle", {})
+    run_id = tracker.client.get_model_version("m", version).run_id
+    first = resolve(tracker.client, "models:/m@champion", tmp_path / "downloads")
+    assert first.local_dir.parent.name == f"m-v{version}-{run_id[:12]}"  # a recreated model has other runs
+
+    (first.local_dir / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))  # cache damaged
+    again = resolve(tracker.client, "models:/m@champion", tmp_path / "downloads")
+    assert again.algorithm == "peagle"  # downloaded again, not served from the changed cache
+
+    real = tracker.client.download_artifacts
+
+    def tampered(run, path, dst):
+        real(run, path, dst)
+        (Path(dst) / path / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+
+    monkeypatch.setattr(tracker.client, "download_artifacts", tampered)
+    with pytest.raises(PipelineError, match=r"serving.model: .*config.json' has \d+ bytes|does not match the sha256"):
+        resolve(tracker.client, "models:/m@champion", tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").iterdir())
+
+    # Another resolver finishes while this one downloads: its folder, maybe in use, stays; ours is dropped.
+    def racing(run, path, dst):
+        real(run, path, dst)
+        monkeypatch.setattr(tracker.client, "download_artifacts", real)
+        resolve(tracker.client, "models:/m@champion", tmp_path / "race")  # the other resolver, to completion
+
+    monkeypatch.setattr(tracker.client, "download_artifacts", racing)
+    resolved = resolve(tracker.client, "models:/m@champion", tmp_path / "race")
+    assert resolved.algorithm == "peagle" and (resolved.local_dir / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "race").iterdir()] == [resolved.local_dir.parent.name]  # no staging left
