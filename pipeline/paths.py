@@ -59,6 +59,12 @@ class StagePaths:
                             if name in measured["sets"]}
         self.evaluation_key = content_key(self.train_key, measured, data)
 
+    def stage_key(self, stage: str) -> str:
+        """The key of the folder `stage` writes: the one a lock on that stage guards (pipeline/locks.py)."""
+        keys = {"prompts": self.prompts_key, "regenerate": self.regenerated_key, "capture": self.store_key,
+                "train": self.train_key}
+        return keys.get(stage, self.evaluation_key)  # evaluate, export, vllm_eval, promote: one evaluation's
+
     @property
     def prompts(self) -> Path:
         return self.root / "prompts" / self.prompts_key

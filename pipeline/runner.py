@@ -14,6 +14,7 @@ from pipeline.cluster import shutdown_if_started_here
 from pipeline.config import validate
 from pipeline.context import Context
 from pipeline.errors import PipelineError
+from pipeline.locks import stage_lock
 from pipeline.logs import setup_job_logging
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
 
@@ -161,7 +162,7 @@ def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> No
     log.info("stage %s", stage)
     start = time.perf_counter()
     try:
-        with ctx.tracker.child_run(stage) as run_id:
+        with stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage)), ctx.tracker.child_run(stage) as run_id:
             results[stage] = STAGES[stage](ctx, results, run_id)
     except BaseException:
         seconds = times.add(stage, time.perf_counter() - start, failed=True)

@@ -9,6 +9,7 @@ tests/unit/test_serving.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from pipeline.config import compose
 from pipeline.data.store import load_manifest
 from pipeline.errors import PipelineError
 from pipeline.runner import run_job
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, write_jsonl
 
 # (name, the file's bytes, what the one line must say)
 PROMPT_FILES = [
@@ -233,3 +234,22 @@ def test_a_resume_with_another_draft_vocabulary_of_the_same_size_names_the_first
     with pytest.raises(PipelineError, match="a draft vocabulary of 3 tokens, this run has 4"):
         check_same_drafter(saved, ours, tmp_path)
 
+
+
+def test_a_second_run_of_one_config_on_one_root_stops_naming_the_holder(tmp_path, tiny_verifier_path, capsys):
+    from pipeline.locks import stage_lock
+    from pipeline.paths import StagePaths
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"question {i}"} for i in range(10)])
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, prompts))
+    paths = StagePaths(cfg)
+    with stage_lock(paths.root, "prompts", paths.stage_key("prompts")):  # the first run, inside its prompts stage
+        assert run_job(cfg, "generate") == 2
+        line = _error_line(capsys)
+        assert line.startswith(f"error: prompts: this config's prompts stage ({paths.prompts_key}) is running in "
+                               f"pid {os.getpid()} on ")
+        assert not paths.prompts.exists()  # the second run wrote nothing
+    from pipeline.runner import run_stages
+
+    assert "prompts" in run_stages(cfg, "generate", ["prompts"])  # once the first is done, the stage runs
+    assert paths.prompts.exists()
