@@ -1,5 +1,27 @@
 """The one exception type the jobs turn into a one-line error and a non-zero exit."""
 
+import re
+
 
 class PipelineError(Exception):
     """Bad input or state the user can fix; the message names the field or file."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (?P<message>.+)$")
+
+
+def remote_cause(error: BaseException) -> str:
+    """The first exception raised in a Ray worker, as `Type: message`, out of the error Ray hands the driver.
+
+    Ray Data wraps an actor's exception in RayTaskError(UserCodeException), whose own message is Ray's retry advice;
+    the actor's exception survives only as the first `Type: message` line of the traceback text Ray carries along
+    (exception objects are not always picklable back). Falls back to the error's own last line."""
+    text = _ANSI.sub("", str(error))
+    for line in text.splitlines():
+        found = _RAISED.match(line.strip())
+        if found and not found["type"].startswith("ray."):
+            kind = found["type"].rsplit(".", 1)[-1]
+            return found["message"] if kind == PipelineError.__name__ else f"{kind}: {found['message']}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else repr(error)

@@ -24,7 +24,7 @@ from pipeline.data.chat import chat_template_hash, tokenize_conversation, tokeni
 from pipeline.data.store import (
     load_manifest, projected_store_bytes, remove_stale_temporaries, scan_shards, write_manifest,
 )
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, remote_cause
 from pipeline.fsutil import atomic_folder
 from pipeline.generation.batching import pack_by_token_budget
 from pipeline.generation.parts import read_parts, remove_stale_parts
@@ -58,8 +58,7 @@ def _stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: 
     try:
         yield from mapped.iter_rows()
     except Exception as error:  # Ray wraps the actor's exception; finished batches are already safe on disk
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        raise PipelineError(f"{worker_cls.__name__}: a verifier actor failed: {lines[-1] if lines else error!r}; "
+        raise PipelineError(f"{worker_cls.__name__}: a verifier actor failed: {remote_cause(error)}; "
                             "finished batches are kept, rerun to continue") from error
 
 
@@ -69,8 +68,12 @@ def _progress(total: int, description: str):
     return progress_bar(total, description, unit="sample")
 
 
-def _vllm_options(gen_cfg: Any) -> dict:
-    return {"max_model_len": int(gen_cfg.max_length), "gpu_memory_utilization": float(gen_cfg.gpu_memory_utilization),
+def _vllm_options(gen_cfg: Any, capture: bool = False) -> dict:
+    """The vLLM engine's settings. Capture prefills a whole sample and asks for one token (vLLM returns hidden
+    states only for a request that runs), so a sample of exactly generation.max_length tokens needs a context one
+    longer: with max_model_len = max_length vLLM refused the samples regeneration had truncated to that length."""
+    max_model_len = int(gen_cfg.max_length) + (1 if capture else 0)
+    return {"max_model_len": max_model_len, "gpu_memory_utilization": float(gen_cfg.gpu_memory_utilization),
             "kv_cache_gb": gen_cfg.kv_cache_gb,
             "tensor_parallel_size": int(gen_cfg.tensor_parallel_size)}
 
@@ -276,7 +279,7 @@ def _capture_missing(ctx: Context, todo: list[dict], layer_ids: list[int], store
     kwargs = dict(backend=gen.capture_backend or gen.backend, verifier_path=ctx.verifier_path,
                   compute_dtype=ctx.cfg.verifier.compute_dtype, threads=gen.torch_threads, layer_ids=layer_ids,
                   store_dir=str(store), store_dtype=ctx.cfg.verifier.save_dtype, compression=gen.compression,
-                  vllm_options=_vllm_options(gen))
+                  vllm_options=_vllm_options(gen, capture=True))
     started, forward, write, tokens = time.time(), 0.0, 0.0, 0
     with _progress(len(todo), "capture") as bar:
         for summary in _stream_batches(_capture_items(todo, gen), CaptureWorker, kwargs, gen):

@@ -15,7 +15,7 @@ from pipeline.data.chat import tokenizer_fingerprint
 from pipeline.data.store import iter_trained_tokens, verify_store
 from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, remote_cause
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
@@ -121,7 +121,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         loop_config["resume_from"] = str(resume_from)
     result = _fit(ctx, loop_config)
     if result.error:
-        raise PipelineError(f"train: the Ray Train run failed: {result.error}")
+        raise PipelineError(f"train: the Ray Train run failed: {remote_cause(result.error)}")
     if result.checkpoint is None:
         raise PipelineError("train: the run finished without reporting a checkpoint")
     select_by = cfg.training.select_best_by

@@ -253,3 +253,47 @@ def test_a_second_run_of_one_config_on_one_root_stops_naming_the_holder(tmp_path
 
     assert "prompts" in run_stages(cfg, "generate", ["prompts"])  # once the first is done, the stage runs
     assert paths.prompts.exists()
+
+
+class FailingVerifierActor:
+    """A capture actor that fails the way vLLM refused a sample one token too long for its context."""
+
+    def __call__(self, batch):
+        raise ValueError("The decoder prompt (length 200) is longer than the maximum model length of 200.")
+
+
+def test_an_actor_failure_reaches_the_user_as_its_cause_not_ray_datas_retry_advice():
+    from types import SimpleNamespace
+
+    import ray
+
+    from pipeline.generation.stage import _stream_batches
+
+    gen = SimpleNamespace(num_actors=1, cpus_per_actor=0.5, tensor_parallel_size=1, use_gpu=False)
+    try:
+        with pytest.raises(PipelineError) as failed:
+            list(_stream_batches([{"batch": 0}], FailingVerifierActor, {}, gen))
+    finally:
+        ray.shutdown()
+    assert str(failed.value) == ("FailingVerifierActor: a verifier actor failed: ValueError: The decoder prompt "
+                                 "(length 200) is longer than the maximum model length of 200.; finished batches are "
+                                 "kept, rerun to continue")
+
+
+def test_a_pipeline_error_raised_in_a_worker_reads_as_its_own_line():
+    from pipeline.errors import remote_cause
+
+    carried = Exception("\x1b[36mray::MapWorker(MapBatches(W)).submit()\x1b[39m (pid=1)\n  File \"w.py\", line 3\n"
+                        "pipeline.errors.PipelineError: verifier.path: '/x' has no config.json\n\nThe above exception "
+                        "was the direct cause of the following exception:\n\nray.exceptions.UserCodeException: UDF "
+                        "failed to process a data block.\nTo change retry attempts, backoff, or ...")
+    assert remote_cause(carried) == "verifier.path: '/x' has no config.json"
+    assert remote_cause(Exception("no traceback here\nlast line")) == "last line"
+
+
+def test_capture_gives_vllm_one_token_of_context_beyond_the_longest_sample():
+    from pipeline.generation.stage import _vllm_options
+
+    gen = compose(["generation.max_length=200"]).generation
+    assert _vllm_options(gen)["max_model_len"] == 200  # regeneration: prompt + answer within max_length
+    assert _vllm_options(gen, capture=True)["max_model_len"] == 201  # a 200-token sample prefills, then 1 token
