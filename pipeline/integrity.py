@@ -63,9 +63,11 @@ def _records(folder: Path) -> list[dict]:
     for path in sorted(folder.glob(f"{RECORD_PREFIX}*.json")):
         try:
             record = json.loads(path.read_text())
-            assert isinstance(record["files"], dict) and isinstance(record["world_size"], int)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError):
-            raise PipelineError(f"integrity: '{path}' is not a readable integrity record") from None
+        except (OSError, ValueError):
+            record = None
+        if not (isinstance(record, dict) and isinstance(record.get("files"), dict)
+                and isinstance(record.get("world_size"), int)):
+            raise PipelineError(f"integrity: '{path}' is not a readable integrity record")
         records.append(record)
     return records
 
