@@ -262,6 +262,10 @@ class VllmEvalConfig:
     # verifier.generate's): `requests_matching_reference`. true: also decode in vLLM without speculation and fail
     # unless the two vLLM outputs are identical (one more engine start, about a minute on CPU).
     check_lossless: bool = False
+    # A greedy vLLM output that leaves the reference's where the verifier's logit margin between the two tokens is
+    # within this many rounding steps of verifier.compute_dtype (at the winning logit's magnitude) is numerics;
+    # any other divergence is a fault and the gate refuses (pipeline/evaluation/divergence.py).
+    near_tie_steps: float = 4.0
     timeout_s: int = 1800
     max_model_len: int = 2048
     # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache.

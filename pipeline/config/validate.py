@@ -126,6 +126,7 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
                 check_synthetic_config(definition.synthetic, f"evaluation.sets.{name}.synthetic")
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
+    _require(evaluation.vllm.near_tie_steps >= 0, "evaluation.vllm.near_tie_steps: must be >= 0 (rounding steps)")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
     _require(evaluation.gate.min_tau_gain >= 0,
              "evaluation.gate.min_tau_gain: must be >= 0 (a negative gain would promote a worse drafter)")

@@ -30,11 +30,27 @@ def evaluation_signature(report: dict, requests: list[dict]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def divergence_doubt(result: dict) -> Optional[str]:
+    """Why vLLM's greedy output cannot be trusted as lossless (None: it can): a judged fault, or differences that
+    were never judged (a result written before judging existed)."""
+    if result.get("divergence_fault"):
+        return result["divergence_fault"]
+    matching = result.get("requests_matching_reference")
+    if matching is not None and matching < result["num_requests"] and "divergences" not in result:
+        return (f"vLLM's output differs from the reference's on {result['num_requests'] - matching} requests and "
+                "the differences were never judged (delete the evaluation's vllm.json to rerun the check)")
+    return None
+
+
 def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champion: Optional[dict],
-           gate_cfg: Any, no_check_reason: str = "the vllm_eval stage did not run") -> Decision:
-    """champion: the current champion version's tags (None when there is none)."""
+           gate_cfg: Any, no_check_reason: str = "the vllm_eval stage did not run",
+           lossless_doubt: Optional[str] = None) -> Decision:
+    """champion: the current champion version's tags (None when there is none). lossless_doubt: why vLLM's greedy
+    output is not trusted to be the verifier's (divergence_doubt), None when it is."""
     if tau_gap is None:
         return Decision(False, f"no vLLM cross-check ({no_check_reason}): the served tau is unknown")
+    if lossless_doubt:
+        return Decision(False, f"vLLM's greedy output is not the verifier's: {lossless_doubt}")
     if tau_gap > gate_cfg.max_tau_gap:
         return Decision(False, f"reference-vs-vLLM tau gap {tau_gap:.1%} exceeds {gate_cfg.max_tau_gap:.1%}")
     if champion is None:
@@ -60,7 +76,8 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
         return decision
     tau_gap = vllm_result.get("tau_gap")
     decision = decide(report["pooled_tau"], tau_gap, report["signature"], champion, gate_cfg,
-                      vllm_result.get("skipped", "the vllm_eval stage did not run"))
+                      vllm_result.get("skipped", "the vllm_eval stage did not run"),
+                      divergence_doubt(vllm_result) if tau_gap is not None else None)
     tags = {"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason}
     if tau_gap is not None:
         tags.update({"vllm.tau": f"{vllm_result['tau']:.4f}", "vllm.tau_gap": f"{tau_gap:.4f}"})

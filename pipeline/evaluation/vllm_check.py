@@ -18,6 +18,7 @@ from typing import Optional
 
 from pipeline.context import Context
 from pipeline.errors import PipelineError
+from pipeline.evaluation import gate
 from pipeline.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,23 @@ def compare(report: dict, requests: list[dict], served: dict) -> dict:
     return result
 
 
+def judge_divergences(ctx: Context, requests: list[dict], vllm_tokens: list[list[int]]) -> dict:
+    """At temperature 0, where vLLM's output differs from the reference's: each difference judged by the verifier
+    (pipeline/evaluation/divergence.py), and `divergence_fault` (one line) when any is not a near-tie for the dtype."""
+    from pipeline.evaluation import divergence
+    from pipeline.generation.verifier import DTYPES, load_verifier
+
+    dtype_name = ctx.cfg.verifier.compute_dtype
+    verifier, _ = load_verifier(ctx.verifier_path, dtype_name)
+    found = divergence.judge(verifier, DTYPES[dtype_name], requests, vllm_tokens,
+                             ctx.cfg.evaluation.vllm.near_tie_steps)
+    judged = {"divergences": [d.as_dict() for d in found]}
+    reason = divergence.fault_reason(found)
+    if reason:
+        judged["divergence_fault"] = reason
+    return judged
+
+
 def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict) -> dict:
     eval_cfg = ctx.cfg.evaluation
     with tempfile.TemporaryDirectory(prefix="vllm-eval-") as scratch:
@@ -114,6 +132,8 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
     else:
         served = _run_vllm(ctx, export_dir, requests, report)
         result = compare(report, requests, served)
+        if result.get("requests_matching_reference", len(requests)) < len(requests):
+            result.update(judge_divergences(ctx, requests, served["speculative"]["tokens"]))
         atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=1))
     metrics = {"vllm.tau": result["tau"], "vllm.tau_gap": result["tau_gap"], "vllm.reference_tau": report["pooled_tau"]}
     metrics.update({f"vllm.cum_acc_pos{i + 1}": a for i, a in enumerate(result["cumulative_acceptance"])})
@@ -125,9 +145,13 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
              100 * result["tau_gap"], "" if result.get("lossless", True) else "; NOT LOSSLESS")
     matching = result.get("requests_matching_reference")
     if matching is not None and matching < result["num_requests"]:
-        log.warning("vllm_eval: vLLM's output differs from the reference decoder's on %d of %d requests (numerics "
-                    "of another kernel, or a lossless bug: compare with evaluation.vllm.check_lossless=true)",
-                    result["num_requests"] - matching, result["num_requests"])
+        doubt = gate.divergence_doubt(result)
+        if doubt:
+            log.error("vllm_eval: %s; the gate will not promote this version", doubt)
+        else:
+            log.warning("vllm_eval: vLLM's output differs from the reference decoder's on %d of %d requests, each "
+                        "at a near-tie for %s (numerics of another kernel)", result["num_requests"] - matching,
+                        result["num_requests"], ctx.cfg.verifier.compute_dtype)
     if result.get("lossless") is False:
         raise PipelineError(f"vllm_eval: vLLM's speculative output differs from its plain decoding ({folder})")
     return result

@@ -133,3 +133,31 @@ def test_concurrent_promotions_end_with_the_better_version(registry, monkeypatch
     monkeypatch.setattr(tracker, "alias_tags", real_read)
     assert champion(tracker) == better
     assert tracker.client.get_model_version("m", worse).tags["gate.decision"] == "promoted"
+
+
+@pytest.mark.parametrize("vllm_result, refused_for", [
+    ({"tau": 1.5, "tau_gap": 0.0, "num_requests": 6, "requests_matching_reference": 5,
+      "divergences": [{"near_tie": False}], "divergence_fault": "1 of vLLM's greedy outputs leave the reference's"},
+     "1 of vLLM's greedy outputs"),
+    # a result that records differences but never judged them (written before judging existed) is doubt too
+    ({"tau": 1.5, "tau_gap": 0.0, "num_requests": 6, "requests_matching_reference": 4}, "never judged"),
+])
+def test_a_greedy_divergence_that_is_not_a_near_tie_is_never_promoted(registry, vllm_result, refused_for):
+    tracker, _ = registry
+    with tracker.parent_run("evaluate") as run_id:
+        candidate = report(1.9)
+        version = tracker.register("m", "speculator", run_id, {"eval.pooled_tau": "1.9",
+                                                                "eval.signature": candidate["signature"]})
+        decision = promote(tracker, "m", version, candidate, vllm_result, GATE)
+    assert not decision.promote and refused_for in decision.reason
+    assert champion(tracker) is None
+    assert tracker.client.get_model_version("m", version).tags["gate.decision"] == "refused"
+
+
+def test_divergences_all_at_near_ties_still_promote():
+    vllm_result = {"tau": 1.5, "tau_gap": 0.0, "num_requests": 6, "requests_matching_reference": 5,
+                   "divergences": [{"near_tie": True, "margin": 0.125, "tolerance": 0.5}]}
+    from pipeline.evaluation.gate import divergence_doubt
+
+    assert divergence_doubt(vllm_result) is None
+    assert decide(1.9, 0.0, "s", None, GATE, lossless_doubt=divergence_doubt(vllm_result)).promote
