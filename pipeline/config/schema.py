@@ -331,9 +331,15 @@ class KubernetesConfig:
     # A ReadWriteMany claim mounted at shared_mount on every pod: paths.root, Ray Train checkpoints, the HF cache.
     shared_volume_claim: str = "speculators-shared"
     shared_mount: str = "/mnt/cluster_storage"
-    # Secret with MLflow credentials (MLFLOW_TRACKING_USERNAME / _PASSWORD), HF_TOKEN and the serving API key;
-    # created with kubectl from your own values, never stored in the repository.
-    secret_name: str = "speculators-secrets"
+    # Secrets you create with kubectl from your own values (never stored in the repository), one per purpose, so a
+    # pod gets only those its work needs (pipeline/infra/kuberay.py: pod_secrets): HF_TOKEN; the MLflow login
+    # (MLFLOW_TRACKING_USERNAME / _PASSWORD); the serving API key (serving.api_key_env), RayService pods only.
+    hf_secret: str = "speculators-hf"
+    mlflow_secret: str = "speculators-mlflow"
+    serving_secret: str = "speculators-serving"
+    # The user and group the Ray pods run as (the rayproject images' `ray` user); pods never run as root.
+    run_as_user: int = 1000
+    run_as_group: int = 100
     # Secret with the key auth_token: Ray's token authentication (KubeRay authOptions); ray job submit sends it.
     ray_auth_secret: str = "speculators-ray-token"
     head_cpus: int = 8

@@ -34,8 +34,23 @@ def _metadata(cfg: DictConfig, name: str) -> dict:
             "labels": {"app.kubernetes.io/part-of": "speculators", "speculators/cluster": cfg.cluster.name}}
 
 
+# What runs where, and so which secrets a pod needs. `head` schedules no work (num-cpus 0) in a RayJob or a
+# job-submit RayCluster: the job driver runs on a GPU pod (DRIVER_RESOURCE). A RayService's head builds the Serve
+# app (Serve's build task asks for no CPU): it resolves the champion from MLflow and reads the API key there.
+TRAINING, SERVING = "training", "serving"
+
+
+def pod_secrets(cfg: DictConfig, workload: str, group: str) -> list[str]:
+    """The secrets (names) a pod of `group` ("head" or "worker") in a `workload` cluster gets as its environment:
+    only the ones its work reads, so a training pod never holds the serving API key and an idle head holds none."""
+    k8s = cfg.cluster.kubernetes
+    if workload == SERVING:
+        return [k8s.hf_secret, k8s.mlflow_secret, k8s.serving_secret]
+    return [] if group == "head" else [k8s.hf_secret, k8s.mlflow_secret]
+
+
 def _env(cfg: DictConfig) -> list[dict]:
-    """Every pod: the MLflow server, a shared HF cache. Credentials come from the secret (envFrom), not from here."""
+    """Every pod: the MLflow server, a shared HF cache. Credentials come from the secrets (envFrom), not from here."""
     env = [{"name": "HF_HOME", "value": f"{cfg.cluster.kubernetes.shared_mount}/hf"},
            {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
     if cfg.cluster.mlflow_uri:
@@ -43,7 +58,19 @@ def _env(cfg: DictConfig) -> list[dict]:
     return env
 
 
-def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict]) -> dict:
+# No privilege beyond the image's own user: no escalation (setuid), no Linux capabilities. Ray, NCCL and vLLM
+# need none of them; the GPUs come through the device plugin.
+def _container_security() -> dict:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_security(cfg: DictConfig) -> dict:
+    k8s = cfg.cluster.kubernetes
+    return {"runAsNonRoot": True, "runAsUser": int(k8s.run_as_user), "runAsGroup": int(k8s.run_as_group),
+            "fsGroup": int(k8s.run_as_group), "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict], secrets: list[str]) -> dict:
     k8s = cfg.cluster.kubernetes
     container = {
         "name": name,
@@ -51,11 +78,13 @@ def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict]) -
         "imagePullPolicy": "IfNotPresent",
         "workingDir": APP_DIR,
         "env": _env(cfg),
-        "envFrom": [{"secretRef": {"name": k8s.secret_name, "optional": True}}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         # KubeRay adds a memory-backed /dev/shm itself (NCCL and vLLM's workers share tensors through it).
         "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": k8s.shared_mount}],
+        "securityContext": _container_security(),
     }
+    if secrets:
+        container["envFrom"] = [{"secretRef": {"name": name, "optional": True}} for name in secrets]
     if ports:
         container["ports"] = ports
     return container
@@ -63,6 +92,7 @@ def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict]) -
 
 def _pod_template(cfg: DictConfig, container: dict, gpu: bool) -> dict:
     spec: dict[str, Any] = {
+        "securityContext": _pod_security(cfg),
         "containers": [container],
         "volumes": [{"name": SHARED_VOLUME,
                      "persistentVolumeClaim": {"claimName": cfg.cluster.kubernetes.shared_volume_claim}}],
@@ -72,22 +102,23 @@ def _pod_template(cfg: DictConfig, container: dict, gpu: bool) -> dict:
     return {"metadata": {"labels": {"app.kubernetes.io/part-of": "speculators"}}, "spec": spec}
 
 
-def _head_group(cfg: DictConfig) -> dict:
+def _head_group(cfg: DictConfig, workload: str) -> dict:
     k8s = cfg.cluster.kubernetes
     ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
              {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
-    container = _container(cfg, "ray-head", {"cpu": str(k8s.head_cpus), "memory": k8s.head_memory}, ports)
+    container = _container(cfg, "ray-head", {"cpu": str(k8s.head_cpus), "memory": k8s.head_memory}, ports,
+                           pod_secrets(cfg, workload, "head"))
     # The head schedules no GPU work (num-gpus 0) and takes no training or engine CPUs (num-cpus 0): the
     # drivers, the Serve controller and the router run there.
     return {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
             "template": _pod_template(cfg, container, gpu=False)}
 
 
-def _worker_group(cfg: DictConfig) -> dict:
+def _worker_group(cfg: DictConfig, workload: str) -> dict:
     cluster = cfg.cluster
     resources = {"cpu": str(cluster.cpus_per_worker), "memory": cluster.kubernetes.worker_memory,
                  "nvidia.com/gpu": str(cluster.gpus_per_worker)}
-    container = _container(cfg, "ray-worker", resources, ports=[])
+    container = _container(cfg, "ray-worker", resources, [], pod_secrets(cfg, workload, "worker"))
     # Ray detects the GPUs and their type (accelerator_type:A100) itself. DRIVER_RESOURCE places the job driver on
     # a GPU pod, where evaluation runs the verifier once training has released the GPUs; the group's `resources`
     # field (KubeRay writes `ray start --resources`) rather than a hand-quoted rayStartParams string.
@@ -97,12 +128,13 @@ def _worker_group(cfg: DictConfig) -> dict:
             "resources": {DRIVER_RESOURCE: "1"}, "template": _pod_template(cfg, container, gpu=True)}
 
 
-def ray_cluster_spec(cfg: DictConfig) -> dict:
-    """The RayCluster spec of `cluster`: one head pod, `num_workers` GPU pods on the shared volume."""
+def ray_cluster_spec(cfg: DictConfig, workload: str = TRAINING) -> dict:
+    """The RayCluster spec of `cluster`: one head pod, `num_workers` GPU pods on the shared volume. `workload`
+    (TRAINING or SERVING) decides which secrets its pods get (pod_secrets)."""
     return {"rayVersion": cfg.cluster.kubernetes.ray_version, "enableInTreeAutoscaling": False,
             # Ray's token authentication, the token from a secret you create (never in the repository).
             "authOptions": {"mode": "token", "secretName": cfg.cluster.kubernetes.ray_auth_secret},
-            "headGroupSpec": _head_group(cfg), "workerGroupSpecs": [_worker_group(cfg)]}
+            "headGroupSpec": _head_group(cfg, workload), "workerGroupSpecs": [_worker_group(cfg, workload)]}
 
 
 def ray_cluster(cfg: DictConfig) -> dict:
@@ -142,4 +174,4 @@ def ray_service(cfg: DictConfig, serve_config: dict) -> dict:
     """The champion speculator behind the OpenAI endpoint; `serve_config` is jobs/serve.py's for this config."""
     return {"apiVersion": API_VERSION, "kind": "RayService", "metadata": _metadata(cfg, resource_name(cfg, "serve")),
             "spec": {"serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
-                     "rayClusterConfig": ray_cluster_spec(cfg)}}
+                     "rayClusterConfig": ray_cluster_spec(cfg, SERVING)}}

@@ -175,7 +175,7 @@ def test_the_images_install_the_project_the_way_the_readme_does():
         assert re.search(r"^FROM rayproject/ray:2\.60\.0-py311-", dockerfile, re.M)  # the pinned Ray and Python
     pyproject = (REPO / "pyproject.toml").read_text()
     mlflow_pin = re.search(r'"mlflow==([\d.]+)"', pyproject)[1]
-    assert f'"mlflow=={mlflow_pin}"' in (INFRA / "docker" / "mlflow.Dockerfile").read_text()
+    assert f'"mlflow[auth]=={mlflow_pin}"' in (INFRA / "docker" / "mlflow.Dockerfile").read_text()
     deployment = next(d for d in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
                       if d["kind"] == "Deployment")
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{mlflow_pin}")
@@ -188,3 +188,67 @@ def test_no_secret_value_is_in_the_manifests():
             assert document["kind"] != "Secret", path.name
         text = path.read_text()
         assert not re.search(r"(PASSWORD|SECRET_ACCESS_KEY|TOKEN|API_KEY)\s*\n\s*value:", text), path.name
+
+
+def pod_specs(document: dict) -> list[tuple[str, dict]]:
+    """(where, pod spec) of every pod a manifest makes: Ray head and worker groups, StatefulSets, Deployments."""
+    spec = document.get("spec", {})
+    if document["kind"] in ("Deployment", "StatefulSet"):
+        return [(document["metadata"]["name"], spec["template"]["spec"])]
+    cluster = spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or spec
+    if "headGroupSpec" not in cluster:
+        return []
+    return [("head", cluster["headGroupSpec"]["template"]["spec"]),
+            *((group["groupName"], group["template"]["spec"]) for group in cluster["workerGroupSpecs"])]
+
+
+def envfrom_secrets(pod: dict) -> set[str]:
+    return {source["secretRef"]["name"] for container in pod["containers"] for source in container.get("envFrom", [])}
+
+
+def test_no_pod_runs_as_root_or_with_privileges():
+    pods = [(path.name, where, pod) for path in MANIFESTS for document in yaml.safe_load_all(path.read_text())
+            for where, pod in pod_specs(document)]
+    assert {name for name, _, _ in pods} >= {"mlflow.yaml", "raycluster-a100_2x.yaml", "rayjob-qwen3_8b_peagle.yaml",
+                                              "rayservice-qwen3_8b_peagle.yaml"}
+    for name, where, pod in pods:
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] > 0, (name, where)
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}, (name, where)
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, (name, where)
+            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], (name, where)
+
+
+def test_each_pod_gets_only_the_secrets_its_work_reads():
+    k8s = compose([]).cluster.kubernetes
+    secrets = {name: {where: envfrom_secrets(pod) for document in yaml.safe_load_all((INFRA / "k8s" / name).read_text())
+                      for where, pod in pod_specs(document)}
+               for name in ("raycluster-a100_2x.yaml", "rayjob-qwen3_8b_peagle.yaml", "rayservice-qwen3_8b_peagle.yaml")}
+    training_worker = {k8s.hf_secret, k8s.mlflow_secret}
+    for name in ("raycluster-a100_2x.yaml", "rayjob-qwen3_8b_peagle.yaml"):
+        # the head runs no job (num-cpus 0) and so holds no secret; no training pod holds the serving API key
+        assert secrets[name].pop("head") == set(), name
+        assert all(got == training_worker for got in secrets[name].values()), (name, secrets[name])
+    assert all(got == training_worker | {k8s.serving_secret} for got in secrets["rayservice-qwen3_8b_peagle.yaml"].values())
+    # the MLflow server and its database read only their own secrets, never the Ray pods'
+    mlflow_pods = {where: pod for document in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
+                   for where, pod in pod_specs(document)}
+    refs = {name: envfrom_secrets(pod) | {item["valueFrom"]["secretKeyRef"]["name"] for c in pod["containers"]
+                                          for item in c.get("env", []) if "valueFrom" in item}
+            for name, pod in mlflow_pods.items()}
+    assert refs == {"mlflow-postgres": {"mlflow-db"}, "mlflow": {"mlflow-db", "mlflow-s3", "mlflow-auth"}}
+
+
+def test_the_mlflow_server_requires_a_login_and_takes_no_secret_on_its_command_line():
+    deployment = next(d for d in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    command_line = " ".join(container["command"] + container["args"])
+    assert "--app-name=basic-auth" in command_line
+    assert "PASSWORD" not in command_line and "postgresql" not in command_line
+    env = {item["name"]: item for item in container["env"]}
+    assert "$(POSTGRES_PASSWORD)" in env["MLFLOW_BACKEND_STORE_URI"]["value"]
+    # a variable expands only from those defined before it
+    names = list(env)
+    assert names.index("POSTGRES_PASSWORD") < names.index("MLFLOW_BACKEND_STORE_URI")
