@@ -59,3 +59,16 @@ def shutdown_if_started_here() -> None:
     if _started_locally and ray.is_initialized():
         ray.shutdown()
     _started_locally = False
+
+
+def get_remote(ref: Any, what: str) -> Any:
+    """ray.get(ref), with a failed task or actor turned into one PipelineError line naming `what` and the worker's
+    own exception (pipeline.errors.remote_cause) rather than Ray's wrapper and its traceback."""
+    import ray
+
+    from pipeline.errors import PipelineError, remote_cause
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as error:
+        raise PipelineError(f"{what}: {remote_cause(error)}") from error

@@ -199,7 +199,7 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
     time and kept under writer.cache_root in a folder keyed by the verifier and every setting."""
     from omegaconf import OmegaConf
 
-    from pipeline.cluster import ensure_ray
+    from pipeline.cluster import ensure_ray, get_remote
     from pipeline.paths import content_key
 
     settings = dict(OmegaConf.to_container(synth_cfg, resolve=True) if OmegaConf.is_config(synth_cfg) else synth_cfg)
@@ -209,7 +209,8 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
     import ray
 
     task = ray.remote(num_cpus=settings["cpus"])(_write_prompts)
-    rows, dropped = ray.get(task.remote(str(folder), writer.path, writer.compute_dtype, settings))
+    rows, dropped = get_remote(task.remote(str(folder), writer.path, writer.compute_dtype, settings),
+                               "data.synthetic: the verifier's prompt writer failed")
     log.info("data.synthetic: kept %s of %d sampled per domain (%s); dropped %s",
              dict(Counter(row["domain"] for row in rows)), settings["per_domain"], folder, dropped or "none")
     return rows

@@ -58,6 +58,18 @@ def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
                             f"hidden states in layer order ({sorted(aux)})")
 
 
+def check_configured_aux_layers(drafter_cfg: Any, verifier_path: str) -> None:
+    """Before any stage: configured drafter.aux_layer_ids checked against the verifier's layer count (its
+    config.json), so a bad id is refused in a second rather than after generation and capture. Raises PipelineError;
+    nothing to check (and nothing read) when the drafter's defaults are used."""
+    if not drafter_cfg.aux_layer_ids:
+        return
+    from transformers import AutoConfig
+
+    check_aux_layer_ids(list(drafter_cfg.aux_layer_ids),
+                        int(AutoConfig.from_pretrained(verifier_path).num_hidden_layers))
+
+
 def make_spec(
     drafter_cfg: Any, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
 ) -> DrafterSpec:

@@ -1,7 +1,7 @@
 """Run an exported speculator in vLLM and read its spec-decode counters.
 
-    python -m pipeline.evaluation.vllm_runner --verifier DIR --drafter DIR --k 4 --prompts prompts.json \
-        --out result.json [--baseline] [--temperature T --seed S]
+    python -m pipeline.evaluation.vllm_runner --verifier DIR (--drafter DIR | --ngram MIN MAX) --k 4 \
+        --prompts prompts.json --out result.json [--baseline] [--temperature T --seed S]
 
 prompts.json is a list of token-id lists, or an object of named sets of them ({"code": [[...], ...], ...}): then
 one engine decodes the sets one after another and the result has `per_set` counters (the engine's counters are
@@ -36,6 +36,13 @@ def speculative_config(drafter_dir: str, num_speculative_tokens: int) -> dict[st
     config: dict[str, Any] = {"model": drafter_dir, "num_speculative_tokens": num_speculative_tokens}
     config.update(speculative_method(algorithm))
     return config
+
+
+def ngram_config(num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> dict[str, Any]:
+    """vLLM's training-free prompt-lookup drafter: K tokens copied from the last match of the context's final
+    `lookup_min`..`lookup_max` tokens earlier in the context (vLLM's `ngram` method)."""
+    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": lookup_min,
+            "prompt_lookup_max": lookup_max}
 
 
 def spec_decode_counters(llm: Any) -> dict[str, Any]:
@@ -98,7 +105,10 @@ def generate(verifier: str, prompts: list[list[int]] | dict[str, list[list[int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", required=True)
-    parser.add_argument("--drafter", required=True)
+    drafters = parser.add_mutually_exclusive_group(required=True)
+    drafters.add_argument("--drafter", help="an exported drafter folder (speculators format)")
+    drafters.add_argument("--ngram", nargs=2, type=int, metavar=("MIN", "MAX"),
+                          help="vLLM's n-gram prompt lookup instead of a drafter, n-grams of MIN..MAX tokens")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -118,7 +128,7 @@ def main() -> None:
     # One engine: in-process on CPU. Two (--baseline): each in its own process, so the first one's KV cache is
     # freed with its process before the second one reserves its own.
     engine_options = {} if args.baseline else in_process_engine_on_cpu()
-    speculative = speculative_config(args.drafter, args.k)
+    speculative = (ngram_config(args.k, *args.ngram) if args.ngram else speculative_config(args.drafter, args.k))
     result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args, engine_options)}
     if args.baseline:
         result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None, args, engine_options)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from filelock import FileLock
+
 from pipeline.errors import PipelineError
 from pipeline.integrity import is_intact, verify
 
@@ -79,9 +81,9 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
         if not (staging / path / "config.json").is_file():
             raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")
         verify(staging / path, "serving.model")
-        try:
-            os.rename(staging, into)
-        except OSError:  # `into` exists: another resolver's finished download, or a damaged one
+        # One resolver at a time decides what `into` holds: otherwise two that both found it damaged could each
+        # remove it, and the second would delete the first one's finished (perhaps already served) download.
+        with FileLock(str(into.parent / f".{into.name}.lock")):
             if not _usable(local):
                 shutil.rmtree(into, ignore_errors=True)
                 os.rename(staging, into)
@@ -102,6 +104,8 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             version = (client.get_model_version_by_alias(name, model["alias"]) if model["alias"]
                        else client.get_model_version(name, model["version"]))
             run_id, path = version.run_id, version.source.rstrip("/").rsplit("/", 1)[-1]
+            if path in ("", ".", ".."):
+                raise PipelineError(f"serving.model: {uri}'s source {version.source!r} names no artifact folder")
             # The run id in the name: a recreated model, or another tracking server, has other runs behind v<N>.
             local = _download(client, run_id, path, download_root / f"{name}-v{version.version}-{run_id[:12]}")
             tags, number = dict(version.tags), str(version.version)

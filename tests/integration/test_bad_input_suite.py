@@ -207,11 +207,17 @@ def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path
     ("[0,2,3]", r"0 is outside 1\.\.5"),
     ("[1,2,2]", r"\[1, 2, 2\] repeats a layer"),
 ])
-def test_aux_layer_ids_vllm_would_read_otherwise_are_refused(aux, message, tiny_verifier_path):
+def test_aux_layer_ids_vllm_would_read_otherwise_are_refused(aux, message, tiny_verifier_path, tmp_path, capsys):
     from transformers import AutoConfig
 
     from pipeline.drafters.build import make_spec
 
+    # before the first stage: exit 2, one line, nothing generated
+    cfg = compose([*tiny_overrides(tmp_path, tiny_verifier_path), f"drafter.aux_layer_ids={aux}"])
+    assert run_job(cfg, "generate") == 2
+    assert re.match(r"error: drafter\.aux_layer_ids: " + message, _error_line(capsys))
+    assert not (tmp_path / "prompts").exists()
+    # and wherever a spec is made from a config (training, a resume)
     config = AutoConfig.from_pretrained(tiny_verifier_path)
     with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: " + message):
         make_spec(compose([f"drafter.aux_layer_ids={aux}"]).drafter, config, "t", tiny_verifier_path, 0)
@@ -289,6 +295,20 @@ def test_a_pipeline_error_raised_in_a_worker_reads_as_its_own_line():
                         "failed to process a data block.\nTo change retry attempts, backoff, or ...")
     assert remote_cause(carried) == "verifier.path: '/x' has no config.json"
     assert remote_cause(Exception("no traceback here\nlast line")) == "last line"
+
+
+def _fails_in_a_worker():
+    raise ValueError("verifier.path: nothing there")
+
+
+def test_a_failed_ray_task_reaches_the_driver_as_one_line_naming_the_step(ray_local):
+    import ray
+
+    from pipeline.cluster import get_remote
+
+    with pytest.raises(PipelineError) as raised:
+        get_remote(ray.remote(num_cpus=0)(_fails_in_a_worker).remote(), "data.synthetic: the prompt writer failed")
+    assert str(raised.value) == "data.synthetic: the prompt writer failed: ValueError: verifier.path: nothing there"
 
 
 def test_capture_gives_vllm_one_token_of_context_beyond_the_longest_sample():

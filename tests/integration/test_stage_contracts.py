@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import compose
 from pipeline.data.store import verify_store
+from pipeline.errors import PipelineError
 from pipeline.paths import StagePaths
 from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
@@ -139,6 +140,18 @@ def test_export_contract_and_registry_link(chain):
     assert version.run_id == _child_runs(cfg)["export"].info.run_id
     assert version.tags["lineage.store_key"] == paths.store_key
     assert version.tags["lineage.parent_run_id"] == results["_parent_run_id"]
+    # sealed after the card: every file a server downloads is in the integrity record, the card too
+    from pipeline.integrity import verify
+
+    verify(paths.export)
+    card = paths.export / "README.md"
+    original = card.read_text()
+    card.write_text(original + "changed after export\n")
+    try:
+        with pytest.raises(PipelineError, match="README.md"):
+            verify(paths.export)
+    finally:
+        card.write_text(original)  # the module's other tests read this export
 
 
 def test_one_parent_run_with_a_child_per_stage(chain):

@@ -373,4 +373,50 @@ def test_a_download_is_checked_against_its_integrity_record_and_never_deletes_a_
     monkeypatch.setattr(tracker.client, "download_artifacts", racing)
     resolved = resolve(tracker.client, "models:/m@champion", tmp_path / "race")
     assert resolved.algorithm == "peagle" and (resolved.local_dir / "config.json").is_file()
-    assert [p.name for p in (tmp_path / "race").iterdir()] == [resolved.local_dir.parent.name]  # no staging left
+    assert [p.name for p in (tmp_path / "race").iterdir() if not p.name.endswith(".lock")] == [
+        resolved.local_dir.parent.name]  # no staging left
+
+
+def test_two_resolvers_that_both_find_the_cache_damaged_never_delete_each_others_finished_download(tmp_path,
+                                                                                                  monkeypatch):
+    import threading
+
+    from pipeline.serving import registry
+
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    register_speculator(tracker, tmp_path, "peagle", {})
+    first = resolve(tracker.client, "models:/m@champion", tmp_path / "downloads")
+    (first.local_dir / "config.json").write_text("{}")  # the cache is damaged for both resolvers
+    folder = first.local_dir.parent
+    returned = []  # (who, inode of the folder it returned), in the order they returned
+
+    def other_resolver():
+        other = resolve(tracker.client, "models:/m@champion", tmp_path / "downloads")
+        returned.append(("other", other.local_dir.parent.stat().st_ino))
+
+    real_usable, armed = registry._usable, {"after_download": False}
+    real_download = tracker.client.download_artifacts
+
+    def download(run, path, dst):
+        real_download(run, path, dst)
+        armed["after_download"] = threading.current_thread() is threading.main_thread()
+
+    def usable_then_race(local):
+        looked = real_usable(local)
+        if armed.pop("after_download", False):  # this resolver has looked: the other one runs now
+            racer = threading.Thread(target=other_resolver)
+            racer.start()
+            racer.join(timeout=2)  # it finishes unless it has to wait for this resolver
+            armed["racer"] = racer
+        return looked
+
+    monkeypatch.setattr(tracker.client, "download_artifacts", download)
+    monkeypatch.setattr(registry, "_usable", usable_then_race)
+    mine = resolve(tracker.client, "models:/m@champion", tmp_path / "downloads")
+    returned.append(("mine", mine.local_dir.parent.stat().st_ino))
+    armed["racer"].join(timeout=60)
+    assert len(returned) == 2
+    # whoever returned first still has its folder in place: nothing replaced it under a user
+    assert folder.stat().st_ino == returned[0][1]
+    assert registry.resolve(tracker.client, "models:/m@champion", tmp_path / "downloads").algorithm == "peagle"
+    assert sorted(p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")) == [folder.name]
