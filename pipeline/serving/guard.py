@@ -100,6 +100,15 @@ class RequestGuard:
         given = headers.get(b"authorization", b"")
         return hmac.compare_digest(given, b"Bearer " + self.api_key.encode("utf-8"))
 
+    async def _websocket(self, scope: dict, receive: Any, send: Any) -> None:
+        """A websocket (vLLM's realtime routes) needs the key like any route: without it the handshake is closed
+        before it is accepted (ASGI: the server answers 403), code 1008 (policy violation)."""
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and route_of(scope) not in OPEN_ROUTES and not self._authorized(headers):
+            await receive()  # websocket.connect
+            return await send({"type": "websocket.close", "code": 1008})
+        return await self.app(scope, receive, send)
+
     async def _read_body(self, receive: Any) -> Optional[bytes]:
         """The whole body, or None once it is larger than max_request_bytes."""
         body, more = b"", True
@@ -112,7 +121,9 @@ class RequestGuard:
         return body
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
+        if scope["type"] != "http":  # lifespan
             return await self.app(scope, receive, send)
         route, headers = route_of(scope), dict(scope.get("headers") or [])
         if self.api_key and route not in OPEN_ROUTES and not self._authorized(headers):

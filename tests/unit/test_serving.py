@@ -420,3 +420,24 @@ def test_two_resolvers_that_both_find_the_cache_damaged_never_delete_each_others
     assert folder.stat().st_ino == returned[0][1]
     assert registry.resolve(tracker.client, "models:/m@champion", tmp_path / "downloads").algorithm == "peagle"
     assert sorted(p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")) == [folder.name]
+
+
+@pytest.mark.parametrize("headers, reaches_app", [((), False), ([(b"authorization", b"Bearer wrong")], False),
+                                                  (KEY, True)])
+def test_a_websocket_needs_the_key_too(headers, reaches_app):
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    guard = RequestGuard(app, api_key="s3cret")
+    asyncio.run(guard({"type": "websocket", "path": "/v1/realtime", "root_path": "", "headers": list(headers)},
+                      receive, send))
+    assert bool(reached) is reaches_app
+    assert sent == ([] if reaches_app else [{"type": "websocket.close", "code": 1008}])
