@@ -317,3 +317,33 @@ def test_capture_gives_vllm_one_token_of_context_beyond_the_longest_sample():
     gen = compose(["generation.max_length=200"]).generation
     assert _vllm_options(gen)["max_model_len"] == 200  # regeneration: prompt + answer within max_length
     assert _vllm_options(gen, capture=True)["max_model_len"] == 201  # a 200-token sample prefills, then 1 token
+
+
+CHECKPOINT_DAMAGE = {
+    "truncated weights": (lambda f: os.truncate(f / "drafter.safetensors", 100), r"drafter\.safetensors' has 100 bytes"),
+    "zero-byte optimizer file": (lambda f: (f / "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+                                 .write_bytes(b""), r"optim_states\.pt' has 0 bytes"),
+    "changed spec": (lambda f: (f / "spec.json").write_text((f / "spec.json").read_text() + " "),
+                     r"spec\.json' has \d+ bytes"),
+    "no integrity record": (lambda f: [p.unlink() for p in f.glob("integrity-rank*.json")],
+                            "has no integrity record"),
+    "weights swapped for a link": (lambda f: [(f / "drafter.safetensors").rename(f / "elsewhere"),
+                                              (f / "drafter.safetensors").symlink_to(f / "elsewhere")],
+                                   "is a link or not a file"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CHECKPOINT_DAMAGE))
+def test_the_evaluate_job_on_a_damaged_checkpoint_exits_2_naming_the_file(damage, tmp_path, tiny_verifier_path,
+                                                                          prompts_jsonl, capsys):
+    from pipeline.paths import StagePaths
+    from tests.unit.test_integrity import checkpoint
+
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, prompts_jsonl))
+    final = checkpoint(StagePaths(cfg).final_checkpoint)
+    harm, message = CHECKPOINT_DAMAGE[damage]
+    harm(final)
+    assert run_job(cfg, "evaluate") == 2
+    line = _error_line(capsys)
+    assert line.startswith("error: ") and re.search(message, line), line
+    assert not (StagePaths(cfg).evaluation / "report.json").exists()
