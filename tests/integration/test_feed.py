@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from pipeline.data.store import iter_samples, read_samples, sample_locations, write_manifest, write_shard
@@ -18,16 +17,7 @@ def sample(sample_id: str, length: int, seed: int) -> dict:
             "hidden": {i: torch.randn(length, 8, generator=generator) for i in LAYERS}}
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_the_stream_holds_the_planned_samples_in_the_planned_order(tmp_path, local_ray):
+def test_the_stream_holds_the_planned_samples_in_the_planned_order(tmp_path, ray_local):
     shards = [write_shard(tmp_path, [sample(f"s{i}", 4 + i, i) for i in group], LAYERS, torch.bfloat16, compression)
               for group, compression in (([0, 1], "none"), ([2, 3, 4], "fp8"))]
     manifest = write_manifest(tmp_path, shards, {"layer_ids": LAYERS, "dtype": "bfloat16"})
