@@ -225,8 +225,10 @@ def plot(curve: dict, ngram: dict, algorithm: str, out: Path) -> Path:
 
 
 def targets_met(curve: dict, ngram: dict) -> dict:
-    """The issue's targets at the chosen (final) checkpoint, and being above n-gram on every set."""
-    last = curve["points"][-1]["per_set"] if curve["points"] else {}
+    """The issue's targets at the checkpoint val.tau chose (the final one the pipeline exported; the last point
+    when none was chosen), and being above n-gram on every set."""
+    chosen = [p for p in curve["points"] if p["step"] == curve.get("chosen_by_val_tau")] or curve["points"][-1:]
+    last = chosen[0]["per_set"] if chosen else {}
     met = {f"{name}.{key}>={value}": last.get(name, {}).get(key, 0.0) >= value
            for name, goals in TARGETS.items() for key, value in goals.items()}
     met.update({f"{name}>ngram": last.get(name, {}).get("tau", 0.0) > ngram[name]["tokens_per_forward"]
