@@ -188,7 +188,7 @@ def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
                                         for name, figures in report["datasets"].items()},
                   "vllm": {"tau": round(served["tau"], 4),
                            "requests_matching_reference": served.get("requests_matching_reference")}},
-        "_sets": sets, "_verifier_path": verifier_path, "_cfg": cfg, "_client": client,
+        "_sets": sets, "_verifier_path": verifier_path, "_client": client,
     }
 
 
@@ -260,7 +260,6 @@ def main() -> None:
     for algorithm in args.drafters:
         curve = curve_of(root, work / algorithm, algorithm, args)
         sets, verifier_path, client = curve.pop("_sets"), curve.pop("_verifier_path"), curve.pop("_client")
-        curve.pop("_cfg")
         if "ngram_baseline" not in result:  # the same requests for every drafter: one n-gram run
             result["ngram_baseline"] = ngram_baseline(verifier_path, sets, curve["k"], args.max_new_tokens)
         curve["targets_met"] = targets_met(curve, result["ngram_baseline"])
