@@ -208,8 +208,8 @@ def check_decoding(name: str, model, verifier_path: Path, count: int = 4, new_to
     decoder = SpeculativeDecoder(verifier, drafter, drafter.spec.num_speculative_tokens)
     mismatches, taus, started = 0, [], time.time()
     for prompt in prompts(count, 40, tokenizer.vocab_size, seed=7):
-        ours, counts = decoder.generate(prompt, new_tokens, tokenizer.eos_token_id)
-        mismatches += ours != verifier_greedy(verifier, prompt, new_tokens, tokenizer.eos_token_id)
+        ours, counts = decoder.generate(prompt, new_tokens, (tokenizer.eos_token_id,))
+        mismatches += ours != verifier_greedy(verifier, prompt, new_tokens, (tokenizer.eos_token_id,))
         taus.append(counts.tau)
     return {"ok": mismatches == 0 and verifier.device.type == DEVICE, "device": str(verifier.device),
             "mismatched_prompts": mismatches, "prompts": count, "mean_tau": statistics.mean(taus),

@@ -97,8 +97,8 @@ def requests_by_set(evaluation_folder: Path) -> dict[str, list[dict]]:
     return by_set
 
 
-def reference_per_set(verifier, eos: int, checkpoint: Path, sets: dict[str, list[dict]], k: int,
-                      max_new_tokens: int, batch_size: int) -> dict[str, dict]:
+def reference_per_set(verifier, stop_token_ids: tuple[int, ...], checkpoint: Path, sets: dict[str, list[dict]],
+                      k: int, max_new_tokens: int, batch_size: int) -> dict[str, dict]:
     """Pooled tau and alpha_1 per set of one checkpoint's drafter, greedy, by the lossless reference decoder."""
     from pipeline.evaluation.measured_drafter import decoding_drafter
     from pipeline.evaluation.metrics import merged
@@ -111,7 +111,8 @@ def reference_per_set(verifier, eos: int, checkpoint: Path, sets: dict[str, list
     for name, rows in sets.items():
         prompts, counts = [r["prompt_ids"] for r in rows], []
         for start in range(0, len(prompts), batch_size):
-            counts += [c for _, c in decoder.generate_batch(prompts[start:start + batch_size], max_new_tokens, eos)]
+            batch = prompts[start:start + batch_size]
+            counts += [c for _, c in decoder.generate_batch(batch, max_new_tokens, stop_token_ids)]
         total = merged(counts)
         result[name] = {"tau": round(total.tau, 4), "alpha1": round(total.conditional_acceptance[0], 4)}
     return result
@@ -144,7 +145,7 @@ def tokens_per_forward(counters: dict, tokens: list[list[int]]) -> dict:
 def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
     from pipeline.config import compose
     from pipeline.data.store import load_manifest
-    from pipeline.generation.verifier import load_verifier, resolve_verifier_path
+    from pipeline.generation.verifier import load_verifier, resolve_verifier_path, stop_token_ids
     from pipeline.paths import StagePaths
 
     started = time.perf_counter()
@@ -165,13 +166,14 @@ def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
     verifier_path = resolve_verifier_path(cfg.verifier)
     verifier, tokenizer = load_verifier(verifier_path, cfg.verifier.compute_dtype)
     k = int(report["num_speculative_tokens"])
+    stops = stop_token_ids(tokenizer, verifier.generation_config)
     points = []
     with tempfile.TemporaryDirectory(prefix="checkpoints-") as scratch:
         for step, folder in checkpoint_folders(client, run.info.run_id, Path(scratch)).items():
             point = {"step": step, "training_tokens": round(step * sequences_per_step * tokens_per_sequence),
                      **{name: round(series[step], 4) for name, series in metrics.items() if step in series},
-                     "per_set": reference_per_set(verifier, tokenizer.eos_token_id, folder, sets, k,
-                                                  args.max_new_tokens, int(cfg.evaluation.batch_size))}
+                     "per_set": reference_per_set(verifier, stops, folder, sets, k, args.max_new_tokens,
+                                                  int(cfg.evaluation.batch_size))}
             points.append(point)
             print(json.dumps(point), flush=True)
     final = run.data.metrics

@@ -219,19 +219,15 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
 def _write_prompts(folder: str, verifier_path: str, compute_dtype: str,
                    settings: dict) -> tuple[list[dict[str, str]], dict[str, int]]:
     """Ray task body: load the verifier on one backend and run `synthesize`."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
+
+    from pipeline.generation.verifier import verifier_stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
     longest_prefix = max(len(tokenizer(user_turn_prefix(tokenizer, settings["system_prompts"][d]),
                                        add_special_tokens=False)["input_ids"]) for d in settings["domains"])
     backend = _backend(settings, verifier_path, compute_dtype, longest_prefix)
-    stop_ids = {tokenizer.eos_token_id}
-    try:
-        eos = GenerationConfig.from_pretrained(verifier_path).eos_token_id
-        stop_ids |= set(eos if isinstance(eos, list) else [eos])
-    except OSError:  # no generation_config.json: the tokenizer's eos alone
-        pass
-    stop_ids.discard(None)
+    stop_ids = set(verifier_stop_token_ids(verifier_path, tokenizer))
 
     def generate(prompts: list[list[int]], budgets: list[int], seed: int) -> list[list[int]]:
         return backend.generate(prompts, budgets, settings["temperature"], settings["top_p"], seed)

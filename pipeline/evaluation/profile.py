@@ -10,7 +10,7 @@ c_draft here is an upper bound of vLLM's.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection
 
 from pipeline.evaluation.metrics import AcceptanceCounts
 
@@ -18,24 +18,24 @@ log = logging.getLogger(__name__)
 
 
 def _decode_one_at_a_time(decoder: Any, prompts: list[list[int]], max_new_tokens: int,
-                          eos_token_id: Optional[int]) -> tuple[AcceptanceCounts, int]:
+                          stop_token_ids: Collection[int]) -> tuple[AcceptanceCounts, int]:
     total, new_tokens = AcceptanceCounts(decoder.num_drafts), 0
     for prompt in prompts:
-        tokens, counts = decoder.generate(prompt, max_new_tokens, eos_token_id)
+        tokens, counts = decoder.generate(prompt, max_new_tokens, stop_token_ids)
         total, new_tokens = total.merge(counts), new_tokens + len(tokens)
     return total, new_tokens
 
 
 def speculation_profile(make_decoder: Callable[[int], Any], prompts: list[list[int]], max_new_tokens: int,
-                        eos_token_id: Optional[int], max_k: int) -> dict:
+                        stop_token_ids: Collection[int], max_k: int) -> dict:
     """`make_decoder(k)` gives a fresh SpeculativeDecoder with k drafts per step (k = 0: plain decoding)."""
     plain = make_decoder(0)
-    _decode_one_at_a_time(plain, prompts, max_new_tokens, eos_token_id)
+    _decode_one_at_a_time(plain, prompts, max_new_tokens, stop_token_ids)
     plain_step = plain.timing.verify_seconds / max(plain.timing.verify_calls, 1)
     rows = []
     for k in range(1, max_k + 1):
         decoder = make_decoder(k)
-        counts, new_tokens = _decode_one_at_a_time(decoder, prompts, max_new_tokens, eos_token_id)
+        counts, new_tokens = _decode_one_at_a_time(decoder, prompts, max_new_tokens, stop_token_ids)
         steps = max(decoder.timing.verify_calls, 1)
         draft_step = decoder.timing.draft_seconds / steps
         verify_step = decoder.timing.verify_seconds / steps

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 
 from pipeline.evaluation.metrics import AcceptanceCounts
 from pipeline.evaluation.sampling import rejection_sample, verifier_probs
+from pipeline.generation.verifier import cut_after_stop
 
 
 @dataclass
@@ -133,21 +134,22 @@ class SpeculativeDecoder:
         return result
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], max_new_tokens: int, eos_token_id: Optional[int]):
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_token_ids: Collection[int]):
         """(new tokens, AcceptanceCounts) for one prompt."""
-        return self.generate_batch([prompt], max_new_tokens, eos_token_id)[0]
+        return self.generate_batch([prompt], max_new_tokens, stop_token_ids)[0]
 
     @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int,
-                       eos_token_id: Optional[int]) -> list[tuple[list[int], AcceptanceCounts]]:
-        """(new tokens, AcceptanceCounts) for each prompt, decoded together."""
+                       stop_token_ids: Collection[int]) -> list[tuple[list[int], AcceptanceCounts]]:
+        """(new tokens, AcceptanceCounts) for each prompt, decoded together. A sequence ends after max_new_tokens
+        or at its first token in stop_token_ids (generation.verifier.stop_token_ids: every id vLLM stops on)."""
         sequences = [_Sequence(list(p), AcceptanceCounts(self.num_drafts)) for p in prompts]
         batch = BatchedVerifier(self.verifier, self.aux_layer_ids, len(prompts))
         logits, features = self._timed_forward(batch, [s.prompt for s in sequences], prefill=True)
         for sequence, row_logits, row_features in zip(sequences, logits, features):
             sequence.tokens = sequence.prompt + [self._first_token(row_logits[-1])]
             sequence.features = row_features
-            sequence.stopped = sequence.tokens[-1] == eos_token_id
+            sequence.stopped = sequence.tokens[-1] in stop_token_ids
 
         def active(sequence: _Sequence) -> bool:
             return sequence.generated < max_new_tokens and not sequence.stopped
@@ -160,24 +162,23 @@ class SpeculativeDecoder:
                 batch, [[s.tokens[-1]] + d if d is not None else [] for s, d in zip(sequences, drafts)])
             for row, (sequence, row_drafts) in enumerate(zip(sequences, drafts)):
                 if row_drafts is not None:
-                    self._advance(sequence, row_drafts, logits[row], features[row], batch, row, eos_token_id)
-        return [self._finish(s, max_new_tokens, eos_token_id) for s in sequences]
+                    self._advance(sequence, row_drafts, logits[row], features[row], batch, row,
+                                  stop_token_ids)
+        return [self._finish(s, max_new_tokens, stop_token_ids) for s in sequences]
 
     def _advance(self, sequence: _Sequence, drafts: list[int], logits: torch.Tensor, features: torch.Tensor,
-                 batch: BatchedVerifier, row: int, eos_token_id: Optional[int]) -> None:
+                 batch: BatchedVerifier, row: int, stop_token_ids: Collection[int]) -> None:
         accepted, next_token = self._verify(logits, drafts)
         sequence.counts.add_step(accepted, len(drafts))  # DSpark may propose fewer than K (confidence truncation)
         batch.keep(row, accepted + 1)  # the last token and the accepted drafts; the rejected tail is masked out
         sequence.features = torch.cat([sequence.features, features[: accepted + 1]])
         emitted = drafts[:accepted] + [next_token]
         sequence.tokens += emitted
-        sequence.stopped = eos_token_id in emitted
+        sequence.stopped = any(token in stop_token_ids for token in emitted)
 
     @staticmethod
-    def _finish(sequence: _Sequence, max_new_tokens: int, eos_token_id: Optional[int]):
-        generated = sequence.tokens[len(sequence.prompt):][:max_new_tokens]
-        if eos_token_id in generated:
-            generated = generated[: generated.index(eos_token_id) + 1]
+    def _finish(sequence: _Sequence, max_new_tokens: int, stop_token_ids: Collection[int]):
+        generated = cut_after_stop(sequence.tokens[len(sequence.prompt):][:max_new_tokens], stop_token_ids)
         return generated, sequence.counts
 
     def _draft(self, sequence: _Sequence, proposed: int) -> list[int]:
@@ -193,22 +194,25 @@ class SpeculativeDecoder:
 
 
 @torch.no_grad()
-def verifier_greedy(verifier: Any, prompt: list[int], max_new_tokens: int, eos_token_id: Optional[int]) -> list[int]:
+def verifier_greedy(verifier: Any, prompt: list[int], max_new_tokens: int,
+                    stop_token_ids: Collection[int]) -> list[int]:
+    """verifier.generate(do_sample=False) of one prompt: new token ids, ending at the first stop id."""
     ids = torch.tensor([prompt], device=verifier.device)
+    stops = list(stop_token_ids)
     out = verifier.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                            pad_token_id=eos_token_id)
-    return out[0, len(prompt):].tolist()
+                            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops or None,
+                            pad_token_id=stops[0] if stops else None)
+    return cut_after_stop(out[0, len(prompt):].tolist(), stop_token_ids)
 
 
 @torch.no_grad()
 def greedy_mismatches(verifier: Any, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
-                      eos_token_id: Optional[int], batch_size: int = 8) -> list[int]:
+                      stop_token_ids: Collection[int], batch_size: int = 8) -> list[int]:
     """Indices of the outputs that greedy decoding would not produce, checked in one teacher-forced forward.
 
     An output equals ``verifier.generate(do_sample=False)`` exactly when every output token is the verifier's argmax
     after the prompt and the output tokens before it, and it ends where greedy decoding ends: at the first
-    end-of-sequence token or after ``max_new_tokens``. One forward over prompt + output checks all of that at once,
+    stop token (stop_token_ids) or after ``max_new_tokens``. One forward over prompt + output checks all of that at once,
     so the lossless check costs a prefill per request instead of a second decode. prompts/outputs: token ids.
     """
     failed = []
@@ -224,20 +228,19 @@ def greedy_mismatches(verifier: Any, prompts: list[list[int]], outputs: list[lis
         greedy = logits.argmax(dim=-1).cpu()  # [B, width]: the argmax after each prefix
         for offset, (prompt, output) in enumerate(zip(prompts[start:start + batch_size],
                                                       outputs[start:start + batch_size])):
-            if not _is_greedy_output(greedy[offset], len(prompt), output, max_new_tokens, eos_token_id):
+            if not _is_greedy_output(greedy[offset], len(prompt), output, max_new_tokens, stop_token_ids):
                 failed.append(start + offset)
     return failed
 
 
 def _is_greedy_output(greedy: torch.Tensor, prompt_length: int, output: list[int], max_new_tokens: int,
-                      eos_token_id: Optional[int]) -> bool:
+                      stop_token_ids: Collection[int]) -> bool:
     """greedy [width]: argmax after each position of prompt + output."""
     if not output:
         return max_new_tokens == 0
     expected = greedy[prompt_length - 1: prompt_length - 1 + len(output)].tolist()
     if expected != output:
         return False
-    if eos_token_id is not None and eos_token_id in output[:-1]:
-        return False  # greedy decoding stops at the first end-of-sequence token
-    stopped_by_eos = eos_token_id is not None and output[-1] == eos_token_id
-    return stopped_by_eos or len(output) == max_new_tokens
+    if any(token in stop_token_ids for token in output[:-1]):
+        return False  # greedy decoding stops at the first stop token
+    return output[-1] in stop_token_ids or len(output) == max_new_tokens

@@ -22,7 +22,7 @@ from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches
 from pipeline.evaluation.report import write_report
 from pipeline.fsutil import atomic_write_text
-from pipeline.generation.verifier import load_verifier
+from pipeline.generation.verifier import load_verifier, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +54,20 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
     decoder = SpeculativeDecoder(verifier, drafter, eval_cfg.num_speculative_tokens, eval_cfg.temperature,
                                  eval_cfg.seed)
     check_equivalence = eval_cfg.check_greedy_equivalence and eval_cfg.temperature == 0
-    eos = tokenizer.eos_token_id
+    stops = stop_token_ids(tokenizer, verifier.generation_config)
     prompts = [prompt_ids(tokenizer, messages) for messages in conversations]
     outputs, counts = [], []
     started = time.perf_counter()
     for start in range(0, len(prompts), eval_cfg.batch_size):
         for tokens, request_counts in decoder.generate_batch(prompts[start:start + eval_cfg.batch_size],
-                                                             eval_cfg.max_new_tokens, eos):
+                                                             eval_cfg.max_new_tokens, stops):
             outputs.append(tokens)
             counts.append(request_counts)
     spec_seconds = time.perf_counter() - started
     mismatches, check_seconds = [], 0.0
     if check_equivalence:  # one teacher-forced forward per request, not a second decode
         started = time.perf_counter()
-        mismatches = greedy_mismatches(verifier, prompts, outputs, eval_cfg.max_new_tokens, eos,
+        mismatches = greedy_mismatches(verifier, prompts, outputs, eval_cfg.max_new_tokens, stops,
                                        eval_cfg.batch_size)
         check_seconds = time.perf_counter() - started
     return {
@@ -95,7 +95,8 @@ def _profile(verifier, tokenizer, drafter, conversations: list[list[dict]], eval
              eval_cfg.num_speculative_tokens, len(prompts), max_new_tokens)
     profile = speculation_profile(
         lambda k: SpeculativeDecoder(verifier, drafter, k, eval_cfg.temperature, eval_cfg.seed),
-        prompts, max_new_tokens, tokenizer.eos_token_id, eval_cfg.num_speculative_tokens)
+        prompts, max_new_tokens, stop_token_ids(tokenizer, verifier.generation_config),
+        eval_cfg.num_speculative_tokens)
     return {**profile, "max_new_tokens": max_new_tokens}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.generation.verifier import DTYPES, load_verifier, num_layers
+from pipeline.generation.verifier import DTYPES, cut_after_stop, load_verifier, num_layers, stop_token_ids
 
 
 class HFVerifier:
@@ -16,11 +16,12 @@ class HFVerifier:
         torch.set_num_threads(threads)
         self.model, self.tokenizer = load_verifier(verifier_path, compute_dtype)
         self.dtype = DTYPES[compute_dtype]
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
 
     def generate(self, prompts: list[list[int]], budgets: list[int], temperature: float, top_p: float,
                  seed: int) -> list[list[int]]:
-        """Responses (left-padded batch); each is cut at its budget and just after the first eos."""
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        """Responses (left-padded batch); each is cut at its budget and just after the first stop id."""
+        pad, stops = self.tokenizer.pad_token_id, list(self.stop_token_ids)
         width = max(len(p) for p in prompts)
         device = self.model.device
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -30,14 +31,9 @@ class HFVerifier:
         torch.manual_seed(seed)  # HF draws one stream per batch: sampled output depends on the batch's seed
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max(budgets),
-                                      pad_token_id=pad, eos_token_id=eos, **sampling)
-        responses = []
-        for row, budget in zip(out[:, width:].tolist(), budgets):
-            row = row[:budget]
-            if eos in row:
-                row = row[: row.index(eos) + 1]  # keep the end marker: drafters learn to propose it
-            responses.append(row)
-        return responses
+                                      pad_token_id=pad, eos_token_id=stops or None, **sampling)
+        return [cut_after_stop(row[:budget], self.stop_token_ids)
+                for row, budget in zip(out[:, width:].tolist(), budgets)]
 
     def _layer_outputs(self, layer_ids: list[int]) -> tuple[dict[int, torch.nn.Module], int]:
         """Module whose output is hidden state i (HF convention: i = after i layers; the last is after the norm)."""

@@ -8,14 +8,14 @@ sample's ids are the last round's prompt (earlier answers masked in) followed by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
-from pipeline.data.chat import tokenize_conversation
+from pipeline.data.chat import TemplateNotPrefixStable, tokenize_conversation
 
 # Fewer free positions than this after a prompt leave no room for a useful answer.
 MIN_RESPONSE_ROOM = 8
 
-# generate(prompt ids, per-prompt token budgets) -> response ids (ending with eos when the verifier stopped)
+# generate(prompt ids, per-prompt token budgets) -> response ids (ending with a stop id when the verifier stopped)
 GenerateFn = Callable[[list[list[int]], list[int]], list[list[int]]]
 
 
@@ -53,12 +53,16 @@ def _stop(conversation: _Conversation, reason: str, limits: Limits) -> None:
 
 
 def regenerate_conversations(
-    conversations: list[list[dict[str, str]]], tokenizer: Any, generate: GenerateFn, limits: Limits
+    conversations: list[list[dict[str, str]]], tokenizer: Any, generate: GenerateFn, limits: Limits,
+    stop_token_ids: Collection[int],
 ) -> list[dict]:
-    """One row per conversation: {messages, input_ids, loss_mask, skip_reason, truncated}."""
+    """One row per conversation: {messages, input_ids, loss_mask, skip_reason, truncated}.
+
+    stop_token_ids: the ids that end the verifier's answer (generation.verifier.stop_token_ids); an answer without
+    one ran out of room. A conversation whose earlier turns the chat template cannot be masked in is skipped with
+    that reason; the others go on."""
     states = [_Conversation(source=list(c), turn_ends=[i + 1 for i, m in enumerate(c) if m["role"] == "user"])
               for c in conversations]
-    eos = tokenizer.eos_token_id
     while True:
         queued = []
         for state in states:
@@ -70,7 +74,11 @@ def regenerate_conversations(
                 continue
             end = state.turn_ends[turn]
             history = state.history + [m for m in state.source[state.consumed:end] if m["role"] != "assistant"]
-            prompt, mask = tokenize_conversation(tokenizer, history, add_generation_prompt=True)
+            try:
+                prompt, mask = tokenize_conversation(tokenizer, history, add_generation_prompt=True)
+            except TemplateNotPrefixStable as reason:
+                state.done, state.skip_reason = True, str(reason)
+                continue
             room = min(limits.max_new_tokens, limits.max_length - len(prompt))
             if room < MIN_RESPONSE_ROOM:
                 _stop(state, f"prompt of {len(prompt)} tokens (turn {turn + 1}) leaves no room within "
@@ -81,7 +89,8 @@ def regenerate_conversations(
             break
         responses = generate([q[3] for q in queued], [q[5] for q in queued])
         for (state, history, end, prompt, mask, room), response in zip(queued, responses):
-            cut_by_length = room < limits.max_new_tokens and len(response) >= room and eos not in response
+            stopped = any(token in stop_token_ids for token in response)
+            cut_by_length = room < limits.max_new_tokens and len(response) >= room and not stopped
             if cut_by_length and limits.overlength == "drop":
                 state.done, state.skip_reason = True, (
                     f"the answer to turn {_answered_turns(state) + 1} does not fit in "
@@ -109,7 +118,10 @@ def keep_conversation(messages: list[dict[str, str]], tokenizer: Any, limits: Li
     if not any(m["role"] == "assistant" for m in messages):
         return {"messages": messages, "input_ids": [], "loss_mask": [], "truncated": False,
                 "skip_reason": "no assistant turn to train on (generation.responses=keep)"}
-    input_ids, loss_mask = tokenize_conversation(tokenizer, messages)
+    try:
+        input_ids, loss_mask = tokenize_conversation(tokenizer, messages)
+    except TemplateNotPrefixStable as reason:
+        return {"messages": messages, "input_ids": [], "loss_mask": [], "truncated": False, "skip_reason": str(reason)}
     truncated = len(input_ids) > limits.max_length
     if truncated and (limits.overlength == "drop" or sum(loss_mask[: limits.max_length]) == 0):
         return {"messages": messages, "input_ids": [], "loss_mask": [], "truncated": False,

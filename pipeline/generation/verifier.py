@@ -10,7 +10,7 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection, Iterable
 
 import torch
 from filelock import FileLock
@@ -113,6 +113,43 @@ def load_verifier(path: str, dtype: str = "float32"):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+    """Every token id that ends the verifier's answer: the tokenizer's eos_token_id first, then each
+    `eos_token_id` of the verifier's generation config (an int or a list). They differ by family: Gemma's
+    tokenizer ends on <eos> but a chat turn on <end_of_turn>; Qwen3 lists <|im_end|> and <|endoftext|>.
+
+    vLLM stops on this same set (it adds generation_config.json's eos ids to every request's stop tokens), so every
+    decoder here (HF generation, the reference decoder, the lossless check) stops on it too, and a pruned draft
+    vocabulary keeps all of them. generation_config: a transformers GenerationConfig, or None (tokenizer only).
+    Returns () when neither names one."""
+    listed = getattr(generation_config, "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    ids = [tokenizer.eos_token_id, *listed]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def verifier_stop_token_ids(verifier_path: str, tokenizer: Any) -> tuple[int, ...]:
+    """stop_token_ids with the generation config of the verifier folder (or hub id) at verifier_path; a verifier
+    without generation_config.json stops on its tokenizer's eos alone, as vLLM and transformers do."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(verifier_path)
+    except OSError:  # no generation_config.json
+        generation_config = None
+    return stop_token_ids(tokenizer, generation_config)
+
+
+def cut_after_stop(ids: Iterable[int], stop_ids: Collection[int]) -> list[int]:
+    """ids up to and including the first stop id (kept: drafters learn to propose the end of a turn)."""
+    kept = []
+    for token in ids:
+        kept.append(token)
+        if token in stop_ids:
+            break
+    return kept
 
 
 def num_layers(model_or_config) -> int:

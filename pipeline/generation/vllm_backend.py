@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pipeline.generation.verifier import cut_after_stop, verifier_stop_token_ids
+
 
 def _local_folder(verifier_path: str) -> Path:
     """The verifier's files: its folder, or for a hub id the HF cache snapshot vLLM itself downloads into."""
@@ -103,6 +105,7 @@ class VllmVerifier:
         self.tokenizer = AutoTokenizer.from_pretrained(verifier_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.stop_token_ids = verifier_stop_token_ids(verifier_path, self.tokenizer)
         self._generator = None
         self._capturer = None
         self._capture_layers: list[int] = []
@@ -116,18 +119,12 @@ class VllmVerifier:
         if self._generator is None:
             in_process = in_process_engine_on_cpu(self.engine_options.get("tensor_parallel_size", 1))
             self._generator = LLM(model=self.path, **self.engine_options, **in_process)
-        eos = self.tokenizer.eos_token_id
         params = [SamplingParams(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed + index)
                   for index, budget in enumerate(budgets)]
         outputs = self._generator.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                            use_tqdm=False)
-        responses = []
-        for output in outputs:
-            ids = list(output.outputs[0].token_ids)
-            if eos in ids:
-                ids = ids[: ids.index(eos) + 1]
-            responses.append(ids)
-        return responses
+        # vLLM stops on the same ids (generation_config.json's eos list); the cut only drops anything after one.
+        return [cut_after_stop(output.outputs[0].token_ids, self.stop_token_ids) for output in outputs]
 
     def _capturing_engine(self, layer_ids: list[int]):
         from vllm import LLM

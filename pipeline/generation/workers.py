@@ -51,7 +51,7 @@ class RegenerateWorker:
                                               self.sampling["top_p"], seed)
 
             results = regenerate_conversations([r["messages"] for r in rows], self.verifier.tokenizer, generate,
-                                               self.limits)
+                                               self.limits, self.verifier.stop_token_ids)
             part = [{"sample_id": row["sample_id"], "messages_json": json.dumps(result["messages"]),
                      "input_ids": result["input_ids"], "loss_mask": result["loss_mask"],
                      "skip_reason": result["skip_reason"], "truncated": result["truncated"]}

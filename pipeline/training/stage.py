@@ -17,6 +17,7 @@ from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError, remote_cause
 from pipeline.fsutil import copy_folder_atomic
+from pipeline.generation.verifier import verifier_stop_token_ids
 from pipeline.integrity import verify
 from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.training.loop import train_loop_per_worker
@@ -52,7 +53,7 @@ def _spec(ctx: Context, manifest: dict):
         log.info("train: drafter.draft_vocab_size=%d covers the verifier's %d tokens: full vocabulary", size,
                  spec.vocab_size)
     elif size:
-        keep = [t for t in (tokenizer.eos_token_id,) if t is not None]
+        keep = list(verifier_stop_token_ids(ctx.verifier_path, tokenizer))  # every end of turn stays draftable
         spec.draft_token_ids = most_frequent_tokens(iter_trained_tokens(ctx.paths.store, manifest), spec.vocab_size,
                                                     int(ctx.cfg.drafter.draft_vocab_size), keep)
     return spec

@@ -40,14 +40,14 @@ class AcceptanceProbe:
         self.verifier_path, self.compute_dtype = verifier_path, compute_dtype
         self.prompts, self.k, self.max_new_tokens = prompts, num_speculative_tokens, max_new_tokens
         self.batch_size, self.confidence_threshold = batch_size, confidence_threshold
-        self._verifier = self._eos = None
+        self._verifier, self._stop_token_ids = None, ()
 
     def _load(self):
         if self._verifier is None:
-            from pipeline.generation.verifier import load_verifier
+            from pipeline.generation.verifier import load_verifier, stop_token_ids
 
             self._verifier, tokenizer = load_verifier(self.verifier_path, self.compute_dtype)
-            self._eos = tokenizer.eos_token_id
+            self._stop_token_ids = stop_token_ids(tokenizer, self._verifier.generation_config)
         return self._verifier
 
     @torch.no_grad()
@@ -61,7 +61,7 @@ class AcceptanceProbe:
         counts = []
         for start in range(0, len(self.prompts), self.batch_size):
             counts += [c for _, c in decoder.generate_batch(self.prompts[start:start + self.batch_size],
-                                                            self.max_new_tokens, self._eos)]
+                                                            self.max_new_tokens, self._stop_token_ids)]
         total = merged(counts)
         return {"val.tau": total.tau, "val.alpha1": total.conditional_acceptance[0]}
 

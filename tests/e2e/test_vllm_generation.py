@@ -56,7 +56,7 @@ def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
     for row in rows:  # one user turn each: the answer is every loss-masked token, the prompt all before them
         first = row["loss_mask"].index(1)
         answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m][:prefix]
-        hf = verifier_greedy(verifier, row["input_ids"][:first], len(answer), tokenizer.eos_token_id)
+        hf = verifier_greedy(verifier, row["input_ids"][:first], len(answer), (tokenizer.eos_token_id,))
         # both compute in fp32; a near-tie may still flip late in an answer, so the first 16 tokens must agree
         assert answer[:16] == hf[:16], row["sample_id"]
         equal += answer == hf[:len(answer)]

@@ -254,7 +254,7 @@ def test_val_tau_is_the_reference_decoders_tau_on_the_checkpoint_and_picks_the_f
         drafter = decoding_drafter(state_file.parent)
         decoder = SpeculativeDecoder(verifier, drafter, cfg.evaluation.num_speculative_tokens)
         with torch.no_grad():
-            counts = [c for _, c in decoder.generate_batch(prompts, 12, tokenizer.eos_token_id)]
+            counts = [c for _, c in decoder.generate_batch(prompts, 12, (tokenizer.eos_token_id,))]
         measured[json.loads(state_file.read_text())["step"]] = merged(counts).tau
     assert measured == pytest.approx(logged, abs=1e-9)
     final = json.loads((StagePaths(cfg).final_checkpoint / "train_state.json").read_text())["step"]

@@ -25,8 +25,8 @@ def test_profile_of_an_oracle_drafter_grows_tau_with_k(tiny_verifier_path):
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     inner = drafter_for(tiny_verifier_path, verifier, tokenizer)
     prompt = prompt_tokens(tokenizer, PROMPTS[0])
-    oracle = OracleDrafter(inner.spec, verifier_greedy(verifier, prompt, 24, None), len(prompt))
-    profile = speculation_profile(lambda k: SpeculativeDecoder(verifier, oracle, k), [prompt], 24, None, 4)
+    oracle = OracleDrafter(inner.spec, verifier_greedy(verifier, prompt, 24, ()), len(prompt))
+    profile = speculation_profile(lambda k: SpeculativeDecoder(verifier, oracle, k), [prompt], 24, (), 4)
     taus = [row["tau"] for row in profile["per_k"]]
     # K=1, every draft accepted: 12 steps of 2 tokens after the prefill's one (the last one runs past
     # max_new_tokens and still counts, as in vLLM)

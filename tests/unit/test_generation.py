@@ -32,6 +32,10 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
+def stops(tokenizer):
+    return (tokenizer.eos_token_id,)
+
+
 def scripted_verifier(tokenizer, answers):
     """A stand-in for the verifier: answers the n-th call's prompts with fixed texts, recording what it saw."""
     calls = []
@@ -51,7 +55,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def test_every_user_turn_is_answered_by_the_verifier_with_its_own_history(tokenizer):
     generate, calls = scripted_verifier(tokenizer, ["Hello friend", "See you"])
-    [row] = regenerate_conversations([CHAT], tokenizer, generate, Limits(64, 512, "truncate"))
+    [row] = regenerate_conversations([CHAT], tokenizer, generate, Limits(64, 512, "truncate"), stops(tokenizer))
     assert row["skip_reason"] == "" and not row["truncated"]
     assert [m["content"] for m in row["messages"] if m["role"] == "assistant"] == ["Hello friend", "See you"]
     # the second question was asked after the verifier's first answer, never after the source's
@@ -68,18 +72,18 @@ def test_every_user_turn_is_answered_by_the_verifier_with_its_own_history(tokeni
 def test_a_turn_that_does_not_fit_is_truncated_or_dropped(tokenizer):
     long_chat = CHAT[:3] + [{"role": "user", "content": "word " * 400}]
     generate, _ = scripted_verifier(tokenizer, ["Hello friend", "unused"])
-    [kept] = regenerate_conversations([long_chat], tokenizer, generate, Limits(16, 128, "truncate"))
+    [kept] = regenerate_conversations([long_chat], tokenizer, generate, Limits(16, 128, "truncate"), stops(tokenizer))
     assert kept["truncated"] and kept["skip_reason"] == ""
     assert [m["content"] for m in kept["messages"] if m["role"] == "assistant"] == ["Hello friend"]
     generate, _ = scripted_verifier(tokenizer, ["Hello friend", "unused"])
-    [dropped] = regenerate_conversations([long_chat], tokenizer, generate, Limits(16, 128, "drop"))
+    [dropped] = regenerate_conversations([long_chat], tokenizer, generate, Limits(16, 128, "drop"), stops(tokenizer))
     assert "generation.max_length=128" in dropped["skip_reason"] and dropped["input_ids"] == []
 
 
 def test_a_first_prompt_that_does_not_fit_is_skipped_with_a_reason(tokenizer):
     generate, calls = scripted_verifier(tokenizer, ["x"])
     rows = regenerate_conversations([[{"role": "user", "content": "word " * 400}]], tokenizer, generate,
-                                    Limits(16, 64, "truncate"))
+                                    Limits(16, 64, "truncate"), stops(tokenizer))
     assert "leaves no room" in rows[0]["skip_reason"] and calls == []
 
 

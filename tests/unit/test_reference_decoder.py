@@ -58,8 +58,8 @@ def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algor
     decoder = SpeculativeDecoder(verifier, drafter, num_drafts)
     for text in PROMPTS:
         prompt = prompt_tokens(tokenizer, text)
-        tokens, counts = decoder.generate(prompt, 20, tokenizer.eos_token_id)
-        assert tokens == verifier_greedy(verifier, prompt, 20, tokenizer.eos_token_id)
+        tokens, counts = decoder.generate(prompt, 20, (tokenizer.eos_token_id,))
+        assert tokens == verifier_greedy(verifier, prompt, 20, (tokenizer.eos_token_id,))
         assert counts.steps > 0
 
 
@@ -67,9 +67,9 @@ def test_oracle_drafts_are_all_accepted(tiny_verifier_path):
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     inner = drafter_for(tiny_verifier_path, verifier, tokenizer)
     prompt = prompt_tokens(tokenizer, PROMPTS[0])
-    reference = verifier_greedy(verifier, prompt, 21, None)
+    reference = verifier_greedy(verifier, prompt, 21, ())
     oracle = OracleDrafter(inner.spec, reference, len(prompt))
-    tokens, counts = SpeculativeDecoder(verifier, oracle, 4).generate(prompt, 21, None)
+    tokens, counts = SpeculativeDecoder(verifier, oracle, 4).generate(prompt, 21, ())
     assert tokens == reference
     assert counts.steps == 4 and counts.tau == pytest.approx(5.0)  # 1 + 4 steps x (4 drafts + bonus) = 21
     assert counts.conditional_acceptance == [1.0, 1.0, 1.0, 1.0]
@@ -81,8 +81,8 @@ def test_lossless_on_smollm2_with_eos(smollm2_path, algorithm):
     decoder = SpeculativeDecoder(verifier, drafter_for(smollm2_path, verifier, tokenizer, algorithm=algorithm), 4)
     for text in PROMPTS[:2]:
         prompt = prompt_tokens(tokenizer, text)
-        tokens, _ = decoder.generate(prompt, 40, tokenizer.eos_token_id)
-        assert tokens == verifier_greedy(verifier, prompt, 40, tokenizer.eos_token_id)
+        tokens, _ = decoder.generate(prompt, 40, (tokenizer.eos_token_id,))
+        assert tokens == verifier_greedy(verifier, prompt, 40, (tokenizer.eos_token_id,))
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "dflash", "dspark"])
@@ -94,7 +94,7 @@ def test_a_batch_of_prompts_decodes_as_each_prompt_alone(tiny_verifier_path, alg
     drafter.confidence_threshold = 0.3
     decoder = SpeculativeDecoder(verifier, drafter, 4)
     prompts = [prompt_tokens(tokenizer, text) for text in PROMPTS]
-    eos = tokenizer.eos_token_id
+    eos = (tokenizer.eos_token_id,)
     batched = decoder.generate_batch(prompts, 24, eos)
     for prompt, (tokens, counts) in zip(prompts, batched):
         assert tokens == verifier_greedy(verifier, prompt, 24, eos)
@@ -109,12 +109,12 @@ def test_a_batch_with_an_oracle_row_accepts_everything_there(tiny_verifier_path)
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     inner = drafter_for(tiny_verifier_path, verifier, tokenizer)
     prompt = prompt_tokens(tokenizer, PROMPTS[0])
-    reference = verifier_greedy(verifier, prompt, 21, None)
+    reference = verifier_greedy(verifier, prompt, 21, ())
     oracle = OracleDrafter(inner.spec, reference, len(prompt))
     results = SpeculativeDecoder(verifier, oracle, 4).generate_batch([prompt, prompt_tokens(tokenizer, "Hi")], 21,
-                                                                     None)
+                                                                     ())
     assert results[0][0] == reference and results[0][1].tau == pytest.approx(5.0)
-    assert results[1][0] == verifier_greedy(verifier, prompt_tokens(tokenizer, "Hi"), 21, None)
+    assert results[1][0] == verifier_greedy(verifier, prompt_tokens(tokenizer, "Hi"), 21, ())
 
 
 def own_samples(verifier, tokenizer, aux_layer_ids, texts, new_tokens=24) -> list[dict]:
@@ -122,7 +122,7 @@ def own_samples(verifier, tokenizer, aux_layer_ids, texts, new_tokens=24) -> lis
     samples = []
     for text in texts:
         prompt = prompt_tokens(tokenizer, text)
-        ids = torch.tensor([prompt + verifier_greedy(verifier, prompt, new_tokens, None)])
+        ids = torch.tensor([prompt + verifier_greedy(verifier, prompt, new_tokens, ())])
         with torch.no_grad():
             hidden = verifier(input_ids=ids, output_hidden_states=True).hidden_states
         samples.append({"aux": torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1), "last": hidden[-1][0],
@@ -151,16 +151,16 @@ def test_trained_drafters_stay_lossless(tiny_verifier_path, algorithm):
     assert losses[-1] < 0.8 * losses[0], losses[::5]
     drafter.eval()
     prompts = [prompt_tokens(tokenizer, text) for text in PROMPTS + ["Tell me a joke.", "def add(a, b):"]]
-    results = SpeculativeDecoder(verifier, drafter, 4).generate_batch(prompts, 24, tokenizer.eos_token_id)
+    results = SpeculativeDecoder(verifier, drafter, 4).generate_batch(prompts, 24, (tokenizer.eos_token_id,))
     for prompt, (tokens, _) in zip(prompts, results):
-        assert tokens == verifier_greedy(verifier, prompt, 24, tokenizer.eos_token_id)
+        assert tokens == verifier_greedy(verifier, prompt, 24, (tokenizer.eos_token_id,))
 
 
 def test_the_teacher_forced_check_accepts_greedy_outputs_and_flags_every_kind_of_deviation(tiny_verifier_path):
     """greedy_mismatches (one forward per request) agrees with a second greedy decode: it passes generate's own
     outputs, and flags a changed token, an output cut short before eos, and one running on past eos."""
     verifier, tokenizer = load_verifier(tiny_verifier_path)
-    eos = tokenizer.eos_token_id
+    eos = (tokenizer.eos_token_id,)
     prompts = [prompt_tokens(tokenizer, text) for text in PROMPTS[:4]]
     outputs = [verifier_greedy(verifier, prompt, 16, eos) for prompt in prompts]
     assert greedy_mismatches(verifier, prompts, outputs, 16, eos, batch_size=3) == []
@@ -174,5 +174,5 @@ def test_the_teacher_forced_check_accepts_greedy_outputs_and_flags_every_kind_of
     # an end-of-sequence token inside the output that decoding went past: greedy stops there
     first_new = next(i for i in range(1, 16) if outputs[0][i] not in outputs[0][:i])
     stop = outputs[0][first_new]
-    assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 1]], 16, stop) == []
-    assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 2]], 16, stop) == [0]
+    assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 1]], 16, (stop,)) == []
+    assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 2]], 16, (stop,)) == [0]

@@ -90,7 +90,7 @@ def test_the_speculative_decoder_samples_as_the_verifier_does_at_temperature_one
     runs = 1500  # enough for a chi-square test to catch a wrong acceptance rule at p < 1e-3 at each position
     counts = torch.zeros(3, VOCAB)
     for _ in range(runs):
-        tokens, step_counts = decoder.generate(PROMPT, max_new_tokens=3, eos_token_id=None)
+        tokens, step_counts = decoder.generate(PROMPT, max_new_tokens=3, stop_token_ids=())
         for position in range(3):
             counts[position, tokens[position]] += 1
         decoder_counts = step_counts if _ == 0 else decoder_counts.merge(step_counts)
