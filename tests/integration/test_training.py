@@ -1,4 +1,5 @@
-"""P-EAGLE training on SmolLM2 features with Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers."""
+"""P-EAGLE training with Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers, on the tiny verifier's features: the
+mechanism under test is the same as on SmolLM2 (the slow default-pipeline test trains there), at a fifth of the time."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
 from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
+from tests.conftest import tiny_overrides, write_jsonl
 
 
 @pytest.fixture(scope="module")
-def smollm2_cfg(tmp_path_factory, smollm2_path, ray_local):
+def tiny_cfg(tmp_path_factory, tiny_verifier_path, ray_local):
     root = tmp_path_factory.mktemp("train")
-    overrides = ["experiment=smoke", f"paths.root={root}", "data.num_train=6", "data.num_eval=1",
-                 "generation.max_new_tokens=32", "training.max_steps=12", "training.lr=1e-3",
+    prompts = write_jsonl(root / "prompts.jsonl", [
+        {"messages": [{"role": "user", "content": f"Say {i} short words about the sea."}]} for i in range(7)])
+    overrides = tiny_overrides(root, tiny_verifier_path, prompts) + [
+                 "data.num_train=6", "data.num_eval=1", "generation.max_new_tokens=32", "training.max_steps=12", "training.lr=1e-3",
                  "training.warmup_steps=3", "training.micro_batch_size=1", "training.log_every=1",
                  "training.checkpoint_every=6"]
     cfg = compose(overrides)
@@ -28,10 +32,10 @@ def smollm2_cfg(tmp_path_factory, smollm2_path, ray_local):
     return cfg
 
 
-def test_loss_falls_and_weights_move_on_two_deepspeed_workers(smollm2_cfg):
+def test_loss_falls_and_weights_move_on_two_deepspeed_workers(tiny_cfg):
     import json
 
-    cfg = smollm2_cfg
+    cfg = tiny_cfg
     results = run_stages(cfg, "train", ["train"])
     client = mlflow.MlflowClient(tracking_uri(cfg))
     train_run = next(r for r in client.search_runs(
