@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
+from pipeline.tracking.local_store import seed_local_store
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def tracking_uri(cfg: DictConfig) -> str:
         return os.environ["MLFLOW_TRACKING_URI"]
     root = Path(cfg.paths.root).expanduser().resolve() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)
+    seed_local_store(root / "mlflow.db", Path(cfg.paths.cache).expanduser())
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
