@@ -24,9 +24,9 @@ def tiny_cfg(tmp_path_factory, tiny_verifier_path, ray_local):
     prompts = write_jsonl(root / "prompts.jsonl", [
         {"messages": [{"role": "user", "content": f"Say {i} short words about the sea."}]} for i in range(7)])
     overrides = tiny_overrides(root, tiny_verifier_path, prompts) + [
-                 "data.num_train=6", "data.num_eval=1", "generation.max_new_tokens=32", "training.max_steps=12", "training.lr=1e-3",
-                 "training.warmup_steps=3", "training.micro_batch_size=1", "training.log_every=1",
-                 "training.checkpoint_every=6"]
+        "data.num_train=6", "data.num_eval=1", "generation.max_new_tokens=32", "training.max_steps=12",
+        "training.lr=1e-3", "training.warmup_steps=3", "training.micro_batch_size=1", "training.log_every=1",
+        "training.checkpoint_every=6"]
     cfg = compose(overrides)
     run_stages(cfg, "generate", ["prompts", "regenerate", "capture"])
     return cfg
