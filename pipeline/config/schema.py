@@ -145,6 +145,9 @@ class DrafterConfig:
     # EAGLE-3: each training-time-test step reads the previous step's post-norm output instead of its pre-norm one
     # (speculators' and vLLM's `norm_output`).
     norm_output: bool = False
+    # EAGLE-3 / P-EAGLE: train the token embedding too (speculators' `embed_requires_grad`, on by default in its
+    # P-EAGLE); the export carries it and vLLM serves it. DFlash / DSpark exports take the verifier's embedding.
+    embed_requires_grad: bool = False
     # DFlash / DSpark: attention inside a block is bidirectional (the paper); true makes it causal.
     causal_block: bool = False
     # DFlash / DSpark: loss weight of draft j is exp(-j / loss_decay_gamma).

@@ -76,6 +76,9 @@ def validate(cfg: DictConfig) -> None:
              "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")
     _require(cfg.drafter.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
     _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
+    _require(not cfg.drafter.embed_requires_grad or cfg.drafter.name in ("eagle3", "peagle"),
+             f"drafter.embed_requires_grad: {cfg.drafter.name} uses the verifier's embedding (its export has none); "
+             "only eagle3 and peagle train it")
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)

@@ -67,14 +67,14 @@ class DrafterSpec:
 
 
 class DrafterBase(nn.Module):
-    """What every drafter shares: the verifier's frozen embedding, an LM head over the (possibly pruned) draft
-    vocabulary, and the verifier's full head for distillation targets.
+    """What every drafter shares: the verifier's embedding (frozen unless spec.extra["embed_requires_grad"]), an
+    LM head over the (possibly pruned) draft vocabulary, and the verifier's full head for distillation targets.
 
     Buffers ``d2t``/``t2d`` exist only for a pruned vocabulary, under the names vLLM and speculators load.
     """
 
     algorithm = ""
-    FROZEN = ("embed_tokens.weight", "lm_head.weight")
+    VERIFIER_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # copied from the verifier when the drafter is built
     extra_keys: tuple[str, ...] = ()  # drafter config keys copied into spec.extra (architecture / decoding choices)
 
     @staticmethod
@@ -91,7 +91,9 @@ class DrafterBase(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.lm_head = DraftHead(spec.hidden_size, spec.draft_vocab_size, bias=False)
-        self.embed_tokens.requires_grad_(False)
+        # speculators' embed_requires_grad: its P-EAGLE trains the embedding (vLLM serves a drafter's own
+        # embedding when the checkpoint carries one that differs from the verifier's).
+        self.embed_tokens.requires_grad_(bool(spec.extra.get("embed_requires_grad", False)))
         self.lm_head.requires_grad_(False)
         self.register_buffer("verifier_head", torch.empty(0), persistent=False)
         if spec.draft_token_ids:
@@ -128,8 +130,13 @@ class DrafterBase(nn.Module):
     def to_draft_vocab(self, full_logits: torch.Tensor) -> torch.Tensor:
         return full_logits if self.draft_ids is None else full_logits[..., self.draft_ids]
 
+    def frozen_names(self) -> tuple[str, ...]:
+        """State-dict keys that stay the verifier's tensors: not trained, so not in training checkpoints."""
+        return tuple(name for name in self.VERIFIER_TENSORS if not self.get_parameter(name).requires_grad)
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.state_dict().items() if k not in self.FROZEN}
+        frozen = self.frozen_names()
+        return {k: v.detach().cpu() for k, v in self.state_dict().items() if k not in frozen}
 
 
 def _model_parts(model_type: str):

@@ -21,7 +21,7 @@ from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_st
 class EagleFamilyDrafter(DrafterBase):
     # P-EAGLE sparsifies chains along depth in training (drafter.depth_keep_decay); EAGLE-3's TTT keeps them whole.
     sparsifies_depth = False
-    extra_keys = ("norm_before_fc",)
+    extra_keys = ("norm_before_fc", "embed_requires_grad")
 
     def __init__(self, spec: DrafterSpec):
         super().__init__(spec)

@@ -1,7 +1,9 @@
 """The speculators checkpoint format (what vLLM loads as-is): config.json + model.safetensors.
 
-Embeddings are not written: the drafter uses the verifier's (frozen), and vLLM shares the target's when a
-checkpoint has none. The LM head is written so the speculators library can load the checkpoint on its own.
+EAGLE-3 / P-EAGLE checkpoints carry the token embedding (the verifier's, or the drafter's own when
+drafter.embed_requires_grad trained it): speculators' loaders read it from the checkpoint, and vLLM serves a
+drafter's own embedding when it differs from the target's. DFlash / DSpark checkpoints have none; vLLM shares the
+target's. The LM head is written so the speculators library can load the checkpoint on its own.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def _eagle_fields(spec: DrafterSpec) -> dict[str, Any]:
         "fc_norm": False,
         # vLLM's P-EAGLE drafts without chaining hidden states, so only EAGLE-3 has a norm_output.
         "norm_output": bool(spec.extra.get("norm_output", False)),
+        # speculators' own key: whether training moved the embedding this checkpoint carries.
+        "embed_requires_grad": bool(spec.extra.get("embed_requires_grad", False)),
     }
     if spec.algorithm == "peagle":
         fields["mask_token_id"] = spec.mask_token_id
@@ -153,6 +157,7 @@ def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tenso
             raise PipelineError("checkpoint config.json: fc_norm (one RMSNorm per aux layer) is not supported; "
                                 "norm_before_fc is")
         extra["norm_before_fc"] = bool(config.get("norm_before_fc", False))
+        extra["embed_requires_grad"] = bool(config.get("embed_requires_grad", False))
     if algorithm == "eagle3":
         extra["norm_output"] = bool(config.get("norm_output", False))
     if algorithm in BLOCK_FAMILY:

@@ -23,9 +23,10 @@ def save_checkpoint(folder: Path, model: Any, state: dict[str, Any]) -> None:
 
 
 def load_trainable_weights(model: Any, folder: Path) -> None:
-    """Put a checkpoint's trained tensors into `model` (frozen verifier tensors are not in checkpoints)."""
+    """Put a checkpoint's trained tensors into `model` (frozen verifier tensors are not in checkpoints; a trained
+    embedding is). Raises PipelineError naming what is missing or unexpected."""
     missing, unexpected = model.load_state_dict(load_file(str(Path(folder) / WEIGHTS_FILE)), strict=False)
-    missing = [k for k in missing if k not in ("embed_tokens.weight", "lm_head.weight")]
+    missing = [k for k in missing if k not in model.frozen_names()]
     if missing or unexpected:
         raise PipelineError(f"checkpoint: '{folder}' does not match {model.spec.algorithm}: missing {missing}, "
                             f"unexpected {unexpected}")

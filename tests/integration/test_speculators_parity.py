@@ -105,11 +105,14 @@ def test_eagle3_ttt_logits_match(options, tmp_path, verifier_config, tiny_verifi
         assert torch.allclose(mine[rows], logits[depth][0, inside], atol=TOLERANCE), depth
 
 
-@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True}], ids=["plain", "normed"])
+@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True}, {"embed_requires_grad": True}],
+                         ids=["plain", "normed", "trained-embedding"])
 def test_peagle_parallel_logits_match(options, tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
     import speculators.models.peagle.core as peagle_core
 
     ours = _ours("peagle", verifier_config, tiny_verifier_path, **options)
+    # a trained embedding (moved off the verifier's by _ours) must reach their model through the export
+    assert ours.embed_tokens.weight.requires_grad == bool(options.get("embed_requires_grad"))
     folder = export_speculators(ours, tmp_path / "peagle", dtype=torch.float32)
     theirs = _theirs(folder)
     aux, next_ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, seed=2)

@@ -97,6 +97,13 @@ def test_semantic_validation_names_the_field(override, field):
         validate(compose([override]))
 
 
+@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
+def test_a_trained_embedding_is_refused_for_drafters_whose_export_has_none(drafter):
+    validate(compose(["drafter=peagle", "drafter.embed_requires_grad=true"]))
+    with pytest.raises(PipelineError, match=r"drafter\.embed_requires_grad: " + drafter):
+        validate(compose([f"drafter={drafter}", "drafter.embed_requires_grad=true"]))
+
+
 @pytest.mark.parametrize("override,field", [
     ("data.synthetic.per_domain=0", "data.synthetic.per_domain"),
     ("data.synthetic.domains=[code,poetry]", "data.synthetic.domains"),

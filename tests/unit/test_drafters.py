@@ -11,6 +11,7 @@ import torch
 from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
 from pipeline.drafters.dspark.model import keep_count
 from pipeline.drafters.vocab import d2t_offsets, ids_from_d2t, most_frequent_tokens, t2d_mask
+from pipeline.errors import PipelineError
 from tests.unit.tiny_drafters import ALGORITHMS, HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
 
 BLOCK_FAMILY = ["dflash", "dspark"]
@@ -54,6 +55,42 @@ def test_loss_falls_and_only_trainable_weights_move(algorithm):
     if algorithm == "dspark":
         assert not torch.equal(before["markov_head.markov_w2.weight"], after["markov_head.markov_w2.weight"])
         assert not torch.equal(before["confidence_head.proj.weight"], after["confidence_head.proj.weight"])
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_a_trained_embedding_moves_and_travels_in_checkpoint_and_export(algorithm, tmp_path):
+    """drafter.embed_requires_grad (speculators' embed_requires_grad): the embedding trains, the training
+    checkpoint holds it (the frozen head stays out), and the export carries the trained rows, not the verifier's."""
+    from safetensors.torch import load_file
+
+    from pipeline.export.speculators_format import export_speculators
+    from pipeline.training.checkpoint import WEIGHTS_FILE, load_trainable_weights, save_checkpoint
+
+    frozen = tiny_drafter(algorithm)
+    assert "embed_tokens.weight" not in frozen.trainable_state_dict()
+    model = tiny_drafter(algorithm, embed_requires_grad=True)
+    verifier_embedding = model.embed_tokens.weight.detach().clone()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(3):
+        loss, _, _ = model.training_loss(tiny_samples(), OPTIONS, torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    trained = model.embed_tokens.weight.detach()
+    assert not torch.equal(trained, verifier_embedding)
+    assert set(model.trainable_state_dict()) - set(frozen.trainable_state_dict()) == {"embed_tokens.weight"}
+
+    save_checkpoint(tmp_path / "checkpoint", model, {"step": 3})
+    assert "lm_head.weight" not in load_file(str(tmp_path / "checkpoint" / WEIGHTS_FILE))
+    restored = tiny_drafter(algorithm, embed_requires_grad=True)
+    load_trainable_weights(restored, tmp_path / "checkpoint")
+    assert torch.equal(restored.embed_tokens.weight, trained)
+    save_checkpoint(tmp_path / "frozen", frozen, {"step": 0})
+    with pytest.raises(PipelineError, match="missing.*embed_tokens"):  # a frozen embedding's checkpoint lacks it
+        load_trainable_weights(tiny_drafter(algorithm, embed_requires_grad=True), tmp_path / "frozen")
+
+    export_speculators(model, tmp_path / "export", dtype=torch.float32)
+    assert torch.equal(load_file(str(tmp_path / "export" / "model.safetensors"))["embed_tokens.weight"], trained)
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])

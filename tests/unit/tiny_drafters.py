@@ -18,7 +18,8 @@ def tiny_spec(algorithm: str = "peagle", num_drafts: int = 4, draft_token_ids=No
              "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
              "max_position_embeddings": 256}
     cls = DRAFTERS[algorithm]
-    defaults = {"causal_block": False, "markov_rank": 8, "norm_before_fc": False, "norm_output": False}
+    defaults = {"causal_block": False, "markov_rank": 8, "norm_before_fc": False, "norm_output": False,
+                "embed_requires_grad": False}
     values = {**defaults, **extra}
     return DrafterSpec(algorithm=algorithm, verifier_name="tiny", verifier_path="-",
                        transformer_layer_config=cls.adapt_layer_config(layer), aux_layer_ids=[1, 2, 3],

@@ -40,7 +40,7 @@ def rows_at_depth(depths: torch.Tensor, valid: torch.Tensor, depth: int) -> tupl
 class Eagle3Drafter(EagleFamilyDrafter):
     algorithm = "eagle3"
     sparsifies_depth = False
-    extra_keys = ("norm_before_fc", "norm_output")
+    extra_keys = ("norm_before_fc", "norm_output", "embed_requires_grad")
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec)
