@@ -217,9 +217,21 @@ def their_call_kwargs(algorithm: str, model, defaults: dict) -> dict:
                       down_sample_ratio_min=defaults["down_sample_ratio_min"])
     else:
         kwargs.update(max_anchors=defaults["max_anchors"], per_position_loss_weight=defaults[
-            "per_position_loss_weight"], dpace_alpha=defaults["dpace_alpha"], gamma=defaults["gamma"])
+            "per_position_loss_weight"], dpace_alpha=defaults["dpace_alpha"], dflash_decay_gamma=defaults["gamma"])
     train_kwargs, _ = type(model).get_trainer_kwargs(**kwargs)
     return train_kwargs
+
+
+def without_padding_anchors(kwargs: dict, loss_mask, block_size: int) -> dict:
+    """Their block drafters' call kwargs with max_anchors lowered to the anchors this packed row can have.
+
+    Their select_anchors takes every candidate (a loss position outside the row's last block_size) when there are
+    fewer than max_anchors, and fills the other blocks with padding whose loss weight is zero; their loss divides by
+    the loss mask's sum. So the same anchors and the same loss come from a fraction of the rows: 512 blocks of 5
+    against about 240 real ones for two ~180-token samples here. loss_mask: [1, T] of the packed row."""
+    candidates = loss_mask.bool().clone()
+    candidates[..., -block_size:] = False
+    return {**kwargs, "max_anchors": max(1, min(int(kwargs["max_anchors"]), int(candidates.sum())))}
 
 
 def orthogonalize_in_fp32(grad, ns_coefficients, ns_steps: int, eps: float):
@@ -279,6 +291,9 @@ def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int
     model = build_theirs(algorithm, ours["export"], str(ours["verifier_path"]), defaults, differences)
     kwargs = their_call_kwargs(algorithm, model, defaults)
     optimizers, schedulers, schedule = their_optimizers(model, defaults, steps, differences)
+    if algorithm not in ("eagle3", "peagle"):
+        differences.append(f"max_anchors {kwargs['max_anchors']} lowered in each step to the anchors the packed row "
+                           "has (their padding blocks carry no loss): the same anchors and loss, fewer rows")
 
     manifest = load_manifest(paths.store)
     train, _ = split_validation(sample_locations(paths.store, manifest), int(cfg.training.val_samples),
@@ -298,8 +313,10 @@ def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int
         picked, order = order[:sequences_per_step], order[sequences_per_step:]
         batch = their_batch(algorithm, [samples[i] for i in picked])
         tokens += int(sum(samples[i]["loss_mask"].sum() for i in picked))
+        call = kwargs if algorithm in ("eagle3", "peagle") else without_padding_anchors(
+            kwargs, batch["loss_mask"], model.block_size)
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            loss = model(**batch, **kwargs)[1]
+            loss = model(**batch, **call)[1]
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -41,3 +41,50 @@ def test_block_drafters_pack_without_a_shift():
     batch = their_batch("dflash", [sample(5, 100), sample(4, 200)])
     assert batch["input_ids"][0].tolist() == [100, 101, 102, 103, 104, 200, 201, 202, 203]
     assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_their_dflash_gets_the_same_loss_and_gradients_without_padding_anchors(tmp_path, tiny_verifier_path):
+    """Lowering their max_anchors to the row's candidates (the benchmark's speed-up of their side) changes neither
+    their loss nor a gradient: the blocks cut off were padding."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from benchmarks.versus_speculators import (build_theirs, their_call_kwargs, their_defaults,
+                                               without_padding_anchors)
+    from pipeline.config.schema import DrafterConfig
+    from pipeline.drafters.build import build_drafter, make_spec, verifier_head_tensors
+    from pipeline.export.speculators_format import export_speculators
+
+    algorithm = "dflash"
+    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": 3})
+    spec = make_spec(cfg, AutoConfig.from_pretrained(tiny_verifier_path), "tiny", tiny_verifier_path, 0)
+    export = export_speculators(build_drafter(spec, verifier_head_tensors(tiny_verifier_path)), tmp_path / "ours")
+    defaults = their_defaults(algorithm)
+    model = build_theirs(algorithm, export, tiny_verifier_path, defaults, [])
+    kwargs = their_call_kwargs(algorithm, model, defaults)
+    assert kwargs["max_anchors"] == 512
+    generator = torch.Generator().manual_seed(0)
+    hidden, vocab = spec.hidden_size, spec.vocab_size
+    samples = [{"input_ids": torch.randint(0, vocab, (length,), generator=generator),
+                "aux": torch.randn(length, len(spec.aux_layer_ids) * hidden, generator=generator),
+                "last": torch.randn(length, hidden, generator=generator),
+                "loss_mask": torch.tensor([0] * 5 + [1] * (length - 5))} for length in (30, 22)]
+    batch = their_batch(algorithm, samples)
+    trimmed = without_padding_anchors(kwargs, batch["loss_mask"], model.block_size)
+    assert trimmed["max_anchors"] == 25 + 17 - model.block_size  # loss positions but the row's last block
+
+    def loss_and_grads(call):
+        model.zero_grad()
+        torch.manual_seed(1)
+        loss = model(**batch, **call)[1]
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded_loss, padded_grads = loss_and_grads(kwargs)
+    loss, grads = loss_and_grads(trimmed)
+    assert torch.allclose(loss, padded_loss, rtol=1e-5), (loss, padded_loss)
+    assert grads.keys() == padded_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.allclose(grad, padded_grads[name], rtol=1e-4, atol=1e-6), name
+    few = without_padding_anchors({**kwargs, "max_anchors": 4}, batch["loss_mask"], model.block_size)
+    assert few["max_anchors"] == 4  # never more anchors than their setting
