@@ -291,7 +291,8 @@ def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int
     model = build_theirs(algorithm, ours["export"], str(ours["verifier_path"]), defaults, differences)
     kwargs = their_call_kwargs(algorithm, model, defaults)
     optimizers, schedulers, schedule = their_optimizers(model, defaults, steps, differences)
-    if algorithm not in ("eagle3", "peagle"):
+    pads_anchors = algorithm not in ("eagle3", "peagle")  # their block drafters pad to max_anchors blocks
+    if pads_anchors:
         differences.append(f"max_anchors {kwargs['max_anchors']} lowered in each step to the anchors the packed row "
                            "has (their padding blocks carry no loss): the same anchors and loss, fewer rows")
 
@@ -313,8 +314,7 @@ def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int
         picked, order = order[:sequences_per_step], order[sequences_per_step:]
         batch = their_batch(algorithm, [samples[i] for i in picked])
         tokens += int(sum(samples[i]["loss_mask"].sum() for i in picked))
-        call = kwargs if algorithm in ("eagle3", "peagle") else without_padding_anchors(
-            kwargs, batch["loss_mask"], model.block_size)
+        call = without_padding_anchors(kwargs, batch["loss_mask"], model.block_size) if pads_anchors else kwargs
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             loss = model(**batch, **call)[1]
         for optimizer in optimizers:

@@ -76,7 +76,8 @@ def validate(cfg: DictConfig) -> None:
              "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")
     _require(cfg.drafter.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
     _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
-    _require(not cfg.drafter.embed_requires_grad or cfg.drafter.name in ("eagle3", "peagle"),
+    # A drafter that reads the option lists it among its spec keys; the others export no embedding to train.
+    _require(not cfg.drafter.embed_requires_grad or "embed_requires_grad" in DRAFTERS[cfg.drafter.name].extra_keys,
              f"drafter.embed_requires_grad: {cfg.drafter.name} uses the verifier's embedding (its export has none); "
              "only eagle3 and peagle train it")
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
