@@ -394,16 +394,27 @@ def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
     }
 
 
-def earlier_results(out: Path, settings: dict) -> dict:
-    """--update: the drafters FILE already holds, refused when FILE was measured with other settings."""
+SETTINGS = ("root", "steps", "eval_sets", "prompts_per_set", "max_new_tokens", "overrides")
+
+
+def earlier_result(out: Path, settings: dict) -> dict:
+    """--update: FILE as it stands (its drafters and records such as `recipe_trials`), refused when FILE was
+    measured with other settings."""
     if not out.is_file():
         return {}
     earlier = json.loads(out.read_text())
-    differing = [key for key in ("root", "steps", "eval_sets", "prompts_per_set", "max_new_tokens", "overrides")
-                 if earlier.get(key) != settings[key]]
+    differing = [key for key in SETTINGS if earlier.get(key) != settings[key]]
     if differing:
         raise SystemExit(f"--update: {out} was measured with other {differing}; rerun every drafter instead")
-    return earlier.get("drafters", {})
+    return earlier
+
+
+def record(result: dict, algorithm: str, outcome: dict) -> None:
+    """Put one drafter's outcome in `result`; a failure never replaces a measurement FILE already held."""
+    if "error" in outcome and "ours_over_theirs" in result["drafters"].get(algorithm, {}):
+        result["drafters"][algorithm]["last_error"] = outcome["error"]
+        return
+    result["drafters"][algorithm] = outcome
 
 
 def main() -> None:
@@ -435,13 +446,15 @@ def main() -> None:
               "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
               "overrides": args.override, "goal_ours_over_theirs": GOAL, "drafters": {}}
     if args.update:
-        result["drafters"] = earlier_results(Path(args.out), result)
+        earlier = earlier_result(Path(args.out), result)
+        result = {**earlier, **result, "drafters": earlier.get("drafters", {})}
     for algorithm in args.drafters:
         print(f"[versus] {algorithm} ...", file=sys.stderr, flush=True)
         try:
-            result["drafters"][algorithm] = compare_drafter(root, work, algorithm, args)
+            outcome = compare_drafter(root, work, algorithm, args)
         except Exception as error:  # noqa: BLE001 - one drafter's failure is a result, not the end of the run
-            result["drafters"][algorithm] = {"error": one_line(error)}
+            outcome = {"error": one_line(error)}
+        record(result, algorithm, outcome)
         print(f"[versus] {algorithm}: {json.dumps(result['drafters'][algorithm].get('ours_over_theirs'))}",
               file=sys.stderr, flush=True)
         write_json(result, args.out)

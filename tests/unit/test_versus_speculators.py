@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.versus_speculators import orthogonalize_in_fp32, their_batch
+from benchmarks.versus_speculators import earlier_result, orthogonalize_in_fp32, record, their_batch
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
@@ -88,3 +88,22 @@ def test_their_dflash_gets_the_same_loss_and_gradients_without_padding_anchors(t
         assert torch.allclose(grad, padded_grads[name], rtol=1e-4, atol=1e-6), name
     few = without_padding_anchors({**kwargs, "max_anchors": 4}, batch["loss_mask"], model.block_size)
     assert few["max_anchors"] == 4  # never more anchors than their setting
+
+
+def test_update_keeps_other_records_and_never_replaces_a_measurement_with_a_failure(tmp_path):
+    import json
+
+    settings = {"root": "/r", "steps": 3, "eval_sets": ["code"], "prompts_per_set": 1, "max_new_tokens": 4,
+                "overrides": []}
+    measured = {"ours_over_theirs": {"code": 1.1}}
+    out = tmp_path / "versus.json"
+    out.write_text(json.dumps({**settings, "drafters": {"peagle": measured}, "recipe_trials": [{"tried": 1}]}))
+    earlier = earlier_result(out, settings)
+    assert earlier["recipe_trials"] == [{"tried": 1}]
+    record(earlier, "peagle", {"error": "RuntimeError: boom"})
+    assert earlier["drafters"]["peagle"]["ours_over_theirs"] == {"code": 1.1}
+    assert earlier["drafters"]["peagle"]["last_error"] == "RuntimeError: boom"
+    record(earlier, "dflash", {"error": "RuntimeError: boom"})  # nothing measured before: the failure is the result
+    assert earlier["drafters"]["dflash"] == {"error": "RuntimeError: boom"}
+    with pytest.raises(SystemExit, match="steps"):
+        earlier_result(out, {**settings, "steps": 4})
