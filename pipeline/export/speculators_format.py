@@ -29,6 +29,10 @@ EAGLE_FAMILY, BLOCK_FAMILY = ("eagle3", "peagle"), ("dflash", "dspark")
 # speculators' EAGLE-3/P-EAGLE loaders take the embedding from the checkpoint (a missing one stays zeros), so the
 # EAGLE family ships it; its DFlash/DSpark loaders always copy the verifier's. vLLM accepts both.
 NOT_EXPORTED = {"eagle3": (), "peagle": (), "dflash": ("embed_tokens.weight",), "dspark": ("embed_tokens.weight",)}
+# speculators saves a full-vocabulary block drafter without its LM head (frozen: the verifier's own); loading such a
+# checkpoint keeps the head build_drafter took from the verifier, as vLLM shares the target's head when a drafter
+# checkpoint has none (llm_base_proposer._maybe_share_lm_head).
+VERIFIER_ROWS_WHEN_ABSENT = {"eagle3": (), "peagle": (), "dflash": ("lm_head.weight",), "dspark": ("lm_head.weight",)}
 
 
 def speculators_config(spec: DrafterSpec, dtype: torch.dtype = EXPORT_DTYPE) -> dict[str, Any]:
@@ -182,7 +186,9 @@ def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tenso
 
 
 def load_speculators(folder: Path, verifier_path: str | None = None):
-    """Rebuild our drafter from a speculators checkpoint (embeddings from the verifier)."""
+    """Rebuild our drafter from a speculators checkpoint, ours or theirs (embeddings, and a block drafter's frozen
+    LM head when the checkpoint has none, from the verifier). Raises PipelineError for a checkpoint whose tensors
+    are not the drafter's."""
     from pipeline.drafters.build import build_drafter
 
     folder = Path(folder)
@@ -192,7 +198,8 @@ def load_speculators(folder: Path, verifier_path: str | None = None):
     spec = spec_from_speculators(config, weights, verifier_path)
     model = build_drafter(spec)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    if [k for k in missing if k not in NOT_EXPORTED[spec.algorithm]] or unexpected:
+    from_verifier = NOT_EXPORTED[spec.algorithm] + VERIFIER_ROWS_WHEN_ABSENT[spec.algorithm]
+    if [k for k in missing if k not in from_verifier] or unexpected:
         raise PipelineError(f"checkpoint: '{folder}' does not match {spec.algorithm}: missing {missing}, "
                             f"unexpected {unexpected}")
     return model.eval()

