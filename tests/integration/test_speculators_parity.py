@@ -221,3 +221,28 @@ def test_their_dspark_trains_saves_and_decodes_losslessly_in_our_reference_decod
     assert sorted(figures) == ["chat", "code"]
     assert figures["code"]["requests"] == figures["code"]["greedy_answers"] == 2
     assert figures["chat"]["greedy_answers"] == 1 and figures["chat"]["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_a_block_drafter_without_its_head_loads_only_at_full_vocabulary(pruned, tmp_path, verifier_config,
+                                                                        tiny_verifier_path):
+    """speculators omits a full-vocabulary DFlash/DSpark head (the verifier's own) and always saves a pruned one: a
+    pruned checkpoint without it is broken, not something to fill from the verifier."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.errors import PipelineError
+
+    ours = _ours("dflash", verifier_config, tiny_verifier_path)
+    if pruned:
+        spec = type(ours.spec).from_dict({**ours.spec.to_dict(), "draft_token_ids": list(range(0, 600, 2))})
+        ours = build_drafter(spec, verifier_head_tensors(tiny_verifier_path)).float()
+    folder = export_speculators(ours, tmp_path / "export")
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    if pruned:
+        with pytest.raises(PipelineError, match="lm_head.weight"):
+            load_speculators(folder, tiny_verifier_path)
+    else:
+        back = load_speculators(folder, tiny_verifier_path)
+        assert torch.equal(back.lm_head.weight, ours.lm_head.weight)  # the verifier's head either way

@@ -43,7 +43,9 @@ def test_block_drafters_pack_without_a_shift():
     assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1]
 
 
-def test_their_dflash_gets_the_same_loss_and_gradients_without_padding_anchors(tmp_path, tiny_verifier_path):
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_their_block_drafter_gets_the_same_loss_and_gradients_without_padding_anchors(algorithm, tmp_path,
+                                                                                       tiny_verifier_path):
     """Lowering their max_anchors to the row's candidates (the benchmark's speed-up of their side) changes neither
     their loss nor a gradient: the blocks cut off were padding."""
     from omegaconf import OmegaConf
@@ -55,8 +57,8 @@ def test_their_dflash_gets_the_same_loss_and_gradients_without_padding_anchors(t
     from pipeline.drafters.build import build_drafter, make_spec, verifier_head_tensors
     from pipeline.export.speculators_format import export_speculators
 
-    algorithm = "dflash"
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": 3})
+    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": 3,
+                                                               "markov_rank": 8})
     spec = make_spec(cfg, AutoConfig.from_pretrained(tiny_verifier_path), "tiny", tiny_verifier_path, 0)
     export = export_speculators(build_drafter(spec, verifier_head_tensors(tiny_verifier_path)), tmp_path / "ours")
     defaults = their_defaults(algorithm)
