@@ -39,6 +39,17 @@ def chat_additions(verifier_cfg: Any) -> dict:
     return {key: value for key, value in additions.items() if value}
 
 
+# Drafter options added after runs existed: at these defaults they stay out of the train key, so runs from before
+# them resume instead of training again.
+LATER_DRAFTER_DEFAULTS = {"distill_target": "distribution", "position_weighting": "decay", "dpace_alpha": 0.5}
+
+
+def drafter_identity(drafter_cfg: Any) -> dict:
+    """The drafter settings a train key hashes: all of them but later options left at their defaults."""
+    return {k: v for k, v in _plain(drafter_cfg).items()
+            if k not in LATER_DRAFTER_DEFAULTS or v != LATER_DRAFTER_DEFAULTS[k]}
+
+
 class StagePaths:
     """Where each stage of a config writes. Keys chain: a stage's key includes the keys of what it reads."""
 
@@ -59,7 +70,8 @@ class StagePaths:
         # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
         # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
         self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, gen.compression)
-        self.train_key = content_key(self.store_key, cfg.drafter, cfg.training, cfg.deepspeed, cfg.seed)
+        self.train_key = content_key(self.store_key, drafter_identity(cfg.drafter), cfg.training, cfg.deepspeed,
+                                     cfg.seed)
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
         # gate's thresholds decide on a report without changing it, so they stay out of the key.
         measured = {k: v for k, v in _plain(cfg.evaluation).items() if k != "gate"}

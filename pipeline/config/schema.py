@@ -150,8 +150,15 @@ class DrafterConfig:
     embed_requires_grad: bool = False
     # DFlash / DSpark: attention inside a block is bidirectional (the paper); true makes it causal.
     causal_block: bool = False
-    # DFlash / DSpark: loss weight of draft j is exp(-j / loss_decay_gamma).
+    # DFlash / DSpark: loss weight of draft j is exp(-j / loss_decay_gamma) (position_weighting "decay").
     loss_decay_gamma: float = 7.0
+    # DFlash: "dpace" weighs each draft by what the block's expected accepted length gains from it, from the rows'
+    # own losses (speculators' D-PACE, its DFlash default; needs distill_target "argmax"), smoothed by dpace_alpha.
+    position_weighting: str = "decay"
+    dpace_alpha: float = 0.5
+    # DFlash / DSpark: what a draft learns from the verifier: its next-token "distribution" (soft cross-entropy)
+    # or its greedy token ("argmax": cross-entropy on it, speculators' `ce`, its DFlash default).
+    distill_target: str = "distribution"
     # DSpark: rank of the Markov (previous-token) logit bias; weight of the confidence head's loss.
     markov_rank: int = 64
     confidence_loss_weight: float = 1.0

@@ -76,6 +76,7 @@ def validate(cfg: DictConfig) -> None:
              "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")
     _require(cfg.drafter.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
     _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
+    _validate_block_loss(cfg.drafter)
     # A drafter that reads the option lists it among its spec keys; the others export no embedding to train.
     _require(not cfg.drafter.embed_requires_grad or "embed_requires_grad" in DRAFTERS[cfg.drafter.name].extra_keys,
              f"drafter.embed_requires_grad: {cfg.drafter.name} uses the verifier's embedding (its export has none); "
@@ -110,6 +111,24 @@ def validate(cfg: DictConfig) -> None:
         _require(value in KNOWN_DTYPES, f"verifier.{key}: '{value}' is not one of {KNOWN_DTYPES}")
     for stage in cfg.stages:
         _require(stage in KNOWN_STAGES, f"stages: unknown stage '{stage}'; known: {KNOWN_STAGES}")
+
+
+def _validate_block_loss(drafter) -> None:
+    """distill_target and position_weighting are the block drafters' loss choices; D-PACE is DFlash's (DSpark's
+    Markov bias takes its gradient from fixed weights) and reads each draft's probability of the verifier's
+    greedy token, which only the argmax target's loss is."""
+    block_family = drafter.name in ("dflash", "dspark")
+    _require(drafter.distill_target in ("distribution", "argmax"),
+             "drafter.distill_target: must be 'distribution' or 'argmax'")
+    _require(drafter.position_weighting in ("decay", "dpace"), "drafter.position_weighting: must be 'decay' or 'dpace'")
+    _require(block_family or drafter.distill_target == "distribution",
+             f"drafter.distill_target: {drafter.name} distils the distribution; 'argmax' is for dflash and dspark")
+    _require(drafter.position_weighting == "decay" or drafter.name == "dflash",
+             f"drafter.position_weighting: 'dpace' is dflash's, not {drafter.name}'s")
+    _require(drafter.position_weighting == "decay" or drafter.distill_target == "argmax",
+             "drafter.position_weighting: 'dpace' needs drafter.distill_target=argmax (its weights read the "
+             "drafter's probability of the verifier's greedy token)")
+    _require(0.0 <= drafter.dpace_alpha < 1.0, "drafter.dpace_alpha: must be in [0, 1)")
 
 
 def _validate_evaluation(evaluation: DictConfig) -> None:

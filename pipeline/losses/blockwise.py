@@ -10,9 +10,14 @@ here with soft targets. Math only.
 
 from __future__ import annotations
 
+from typing import Callable, Union
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Per-row loss weights [N], or a function of the rows' losses [N] returning them (None: equal weights).
+RowWeights = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], None]
 
 BLOCK_ROWS = 64  # rows of logits alive at once: [64, Vd] fp32 is 12.6 MB at Vd = 49,152
 
@@ -21,7 +26,9 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_probs, teacher_rows, row_weights, block_rows, bias, with_acceptance):
         """hidden [N, H]; weight [Vd, H] (frozen); teacher_probs [U, Vd] (rows sum to 1); teacher_rows [N] index
-        into U; row_weights [N] (sum to 1); bias [U, Vd] (added to the logits of each teacher row's rows) or None.
+        into U; row_weights [N] (sum to 1), or a function of the rows' losses [N] (no gradient) giving them, applied
+        once every row is scored (a row's gradient to its hidden state is linear in its weight; bias must then be
+        None, its gradient mixes rows); bias [U, Vd] (added to the logits of each teacher row's rows) or None.
         Returns (sum_i w_i CE(p_i, softmax(hidden_i W^T + bias_i)) [], argmax [N], 1 - TV(student, teacher) [N],
         empty unless with_acceptance)."""
         count = hidden.shape[0]
@@ -30,6 +37,8 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if bias is not None else None
         drafted = torch.empty(count, dtype=torch.long, device=hidden.device)
         acceptance = torch.empty(count if with_acceptance else 0, dtype=torch.float32, device=hidden.device)
+        weights_from_losses = callable(row_weights)
+        losses = torch.empty(count if weights_from_losses else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, count, block_rows):
             rows = slice(start, min(start + block_rows, count))
             logits = (hidden[rows] @ weight.t()).float()  # [b, Vd]
@@ -37,11 +46,15 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias[teacher].float()
             target = teacher_probs[teacher]  # [b, Vd]
-            weights = row_weights[rows]  # [b]
+            weights = (torch.ones(logits.shape[0], device=logits.device) if weights_from_losses
+                       else row_weights[rows])  # [b]
             drafted[rows] = logits.argmax(dim=-1)
             # CE(p, q) = logsumexp(logits) - <p, logits> for p summing to 1
             per_row = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(target, logits)
-            loss += (per_row * weights).sum()
+            if weights_from_losses:
+                losses[rows] = per_row
+            else:
+                loss += (per_row * weights).sum()
             grad_logits = torch.softmax(logits, dim=-1).sub_(target)  # [b, Vd]: q - p
             if with_acceptance:
                 acceptance[rows] = 1.0 - 0.5 * grad_logits.abs().sum(dim=-1)
@@ -49,6 +62,10 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
             grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_bias is not None:  # rows that share a teacher row share its bias
                 grad_bias.index_add_(0, teacher, grad_logits.to(grad_bias.dtype))
+        if weights_from_losses:
+            final_weights = row_weights(losses).to(losses.dtype)  # [N]
+            loss = (losses * final_weights).sum()
+            grad_hidden.mul_(final_weights[:, None].to(grad_hidden.dtype))
         ctx.save_for_backward(grad_hidden, grad_bias)
         ctx.mark_non_differentiable(drafted, acceptance)
         return loss, drafted, acceptance
@@ -67,7 +84,7 @@ class DraftHead(nn.Linear):
     Both go through the module's call, so ZeRO-3 gathers the partitioned weight for either."""
 
     def forward(self, hidden: torch.Tensor, teacher_probs: torch.Tensor | None = None,
-                teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                teacher_rows: torch.Tensor | None = None, row_weights: RowWeights = None,
                 bias: torch.Tensor | None = None, with_acceptance: bool = False):
         if teacher_probs is None:
             return F.linear(hidden, self.weight)
@@ -76,7 +93,7 @@ class DraftHead(nn.Linear):
 
 
 def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher_probs: torch.Tensor,
-                                 teacher_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                                 teacher_rows: torch.Tensor | None = None, row_weights: RowWeights = None,
                                  block_rows: int = BLOCK_ROWS, bias: torch.Tensor | None = None,
                                  with_acceptance: bool = False,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -84,18 +101,30 @@ def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tea
     teacher probabilities.
 
     hidden [N, H]; weight [Vd, H], which gets no gradient (the verifier's frozen head); teacher_probs [U, Vd];
-    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N] or None; bias [U, Vd] or None, a
+    teacher_rows [N] (row i's teacher row; None: U = N, its own); row_weights [N], None (equal), or a function of
+    the rows' losses [N] (no gradient) returning [N] (D-PACE: pipeline.drafters.dflash.blocks); bias [U, Vd] or None, a
     logit bias per teacher row that does get its gradient (DSpark's Markov head: rows drafting the same position
     share its previous token). The loss is the (weighted) mean over rows of CE(teacher, student), the same value as
     `soft_cross_entropy` on the materialised logits; argmax is each row's greedy draft-vocabulary id;
     with_acceptance also gives 1 - TV(student, teacher) per row (no gradient), the acceptance probability of a
-    sampled draft (Leviathan et al. 2023). Raises ValueError for a head weight that requires grad."""
+    sampled draft (Leviathan et al. 2023). Raises ValueError for a head weight that requires grad, or for weights
+    from the losses together with a bias."""
     if weight.requires_grad:
         raise ValueError("blockwise_soft_cross_entropy: the head weight must be frozen (it gets no gradient)")
     count = hidden.shape[0]
     rows = teacher_rows if teacher_rows is not None else torch.arange(count, device=hidden.device)
-    weights = (torch.full((count,), 1.0 / max(count, 1), device=hidden.device) if row_weights is None
-               else row_weights.float() / row_weights.float().sum().clamp_min(1e-12))
+    if callable(row_weights):
+        if bias is not None:
+            raise ValueError("blockwise_soft_cross_entropy: row weights computed from the losses cannot train a bias")
+        weights = (lambda losses: _normalised(row_weights(losses)))
+    elif row_weights is None:
+        weights = torch.full((count,), 1.0 / max(count, 1), device=hidden.device)
+    else:
+        weights = _normalised(row_weights)
     loss, drafted, acceptance = _BlockwiseSoftCrossEntropy.apply(
         hidden, weight, teacher_probs.float(), rows, weights, block_rows, bias, with_acceptance)
     return loss, drafted, acceptance if with_acceptance else None
+
+
+def _normalised(row_weights: torch.Tensor) -> torch.Tensor:
+    return row_weights.float() / row_weights.float().sum().clamp_min(1e-12)

@@ -51,13 +51,22 @@ def distill_rows(model: Any, student_logits: torch.Tensor, teacher_full: torch.T
 def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Tensor, depths: torch.Tensor,
                         weights: Optional[torch.Tensor] = None, teacher_rows: Optional[torch.Tensor] = None,
                         bias: Optional[torch.Tensor] = None, with_acceptance: bool = False,
+                        target: str = "distribution",
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """`distill_rows` from the drafter's hidden rows [N, H] instead of their logits: the frozen head's logits
     (+ an optional trainable logit bias [U, Vd], one per teacher row) are computed, scored and dropped a block of
     rows at a time (pipeline.losses.blockwise), never held as [N, Vd]. Same loss, gradients and counts as
     `distill_rows(model, model.lm_head(hidden) + bias[teacher_rows], ...)`; the fourth value is each row's
-    1 - TV(student, teacher over the draft vocabulary) when `with_acceptance`, else None."""
-    teacher_probs = F.softmax(model.to_draft_vocab(teacher_full).float(), dim=-1)  # [U, Vd]
+    1 - TV(student, teacher over the draft vocabulary) when `with_acceptance`, else None.
+
+    target: "distribution" distils the verifier's next-token distribution (soft cross-entropy, KL up to a
+    constant); "argmax" its greedy token (cross-entropy on the argmax over the draft vocabulary: speculators'
+    `ce` loss, its DFlash default). weights: [N], or a function of the rows' losses (pipeline.losses.blockwise)."""
+    teacher_draft = model.to_draft_vocab(teacher_full).float()  # [U, Vd]
+    if target == "argmax":
+        teacher_probs = F.one_hot(teacher_draft.argmax(dim=-1), teacher_draft.shape[-1]).float()
+    else:
+        teacher_probs = F.softmax(teacher_draft, dim=-1)
     teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
     if teacher_rows is not None:
         teacher_argmax = teacher_argmax[teacher_rows]

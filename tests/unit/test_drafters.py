@@ -295,3 +295,40 @@ def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_match
     torch.testing.assert_close(fast_loss, loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast_grad, grad, rtol=1e-4, atol=1e-7)
     assert total.sum() > 0 and fast_total.sum() == 0 and fast_correct.sum() == 0
+
+
+def test_dpace_weights_each_draft_by_the_acceptance_it_can_still_add():
+    """One block of K=3 with the greedy token's probability q = 1, 0.5, 0.25 (alpha 0): P(accepted through
+    draft i) = 1, 0.5, 0.125, so the weights are the tail sums 1.625, 0.625, 0.125. A second block misses its
+    middle draft (outside the answer): it counts as certain and gets no weight."""
+    import math
+
+    from pipeline.drafters.dflash.blocks import acceptance_weights
+
+    q = torch.tensor([1.0, 0.5, 0.25, 0.5, 0.5])
+    losses = -torch.log(q)
+    block = torch.tensor([0, 0, 0, 1, 1])
+    draft = torch.tensor([0, 1, 2, 0, 2])
+    weights = acceptance_weights(losses, block, draft, num_blocks=2, num_drafts=3, alpha=0.0)
+    assert torch.allclose(weights, torch.tensor([1.625, 0.625, 0.125, 0.75, 0.25]), atol=1e-6)
+    smoothed = acceptance_weights(losses, block, draft, num_blocks=2, num_drafts=3, alpha=0.5)
+    assert math.isclose(float(smoothed[2]), 1.0 * 0.75 * 0.625, rel_tol=1e-6)  # s = 0.5 q + 0.5
+
+
+def test_dflash_trains_on_the_greedy_token_with_dpace_weights():
+    """speculators' DFlash loss (cross-entropy on the verifier's argmax, D-PACE weights): the loss falls and it is
+    not the default loss."""
+    model = tiny_drafter("dflash")
+    samples = tiny_samples()
+    options = {**OPTIONS, "distill_target": "argmax", "position_weighting": "dpace", "dpace_alpha": 0.5}
+    default = model.training_loss(samples, OPTIONS, torch.Generator().manual_seed(0))[0]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for step in range(40):
+        loss = model.training_loss(samples, options, torch.Generator().manual_seed(step))[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert not torch.isclose(torch.tensor(losses[0]), default.detach(), rtol=1e-3)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses

@@ -92,3 +92,45 @@ def test_distill_hidden_rows_equals_distill_rows_on_the_heads_logits(pruned):
     assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.allclose(grad, expected_grad, atol=1e-6)
     assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
     assert expected[1].sum() > 0  # some rows match, so equal counts say something
+
+
+@pytest.mark.parametrize("block_rows", [5, 64])
+def test_weights_from_the_losses_equal_those_weights_given_up_front(block_rows):
+    """D-PACE's weights depend on every row's loss: applied after the rows are scored, the loss and the gradient
+    are those of the same weights passed as a tensor (the weights themselves carry no gradient)."""
+    student, weight, teacher_probs, teacher_rows, _ = _problem(seed=6)
+    per_row = -(teacher_probs[teacher_rows] * F.log_softmax(student @ weight.t(), dim=-1)).sum(dim=-1)  # [N]
+
+    def from_losses(losses):
+        return torch.exp(-losses) + 0.25  # any function of the losses
+
+    expected_weights = from_losses(per_row.detach())
+    expected = blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows, expected_weights)[0]
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    loss = blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows, from_losses,
+                                        block_rows=block_rows)[0]
+    (grad,) = torch.autograd.grad(loss, student)
+    assert torch.allclose(loss, expected, atol=1e-5) and torch.allclose(grad, expected_grad, atol=1e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="bias"):
+        blockwise_soft_cross_entropy(student, weight, teacher_probs, teacher_rows, from_losses,
+                                     bias=torch.zeros(teacher_probs.shape))
+
+
+def test_the_argmax_target_is_cross_entropy_on_the_verifiers_greedy_draft_token():
+    student, weight, _, teacher_rows, row_weights = _problem(vocab=300)
+    generator = torch.Generator().manual_seed(8)
+    teacher_full = torch.randn(11, 400, generator=generator)
+    draft_ids = torch.randperm(400, generator=generator)[:300].sort().values
+    head = DraftHead(16, 300, bias=False).requires_grad_(False)
+    head.weight.copy_(weight)
+    model = SimpleNamespace(
+        lm_head=head, spec=SimpleNamespace(num_speculative_tokens=3),
+        to_draft_vocab=lambda logits: logits[..., draft_ids], to_target_ids=lambda ids: draft_ids[ids])
+    depths = torch.arange(student.shape[0]) % 3
+    labels = teacher_full[:, draft_ids].argmax(dim=-1)[teacher_rows]  # the greedy token inside the draft vocabulary
+    per_row = F.cross_entropy(student @ weight.t(), labels, reduction="none")
+    expected = (per_row * row_weights).sum() / row_weights.sum()
+    got = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows, target="argmax")[0]
+    assert torch.allclose(got, expected, atol=1e-5)
+    soft = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows)[0]
+    assert not torch.allclose(soft, expected, atol=1e-3)  # the default distils the whole distribution

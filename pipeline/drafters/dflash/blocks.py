@@ -51,3 +51,26 @@ def block_attention_allowed(context_length: int, anchors: torch.Tensor, anchor_v
 def position_decay(num_drafts: int, gamma: float) -> torch.Tensor:
     """DFlash's loss weight per draft index j (0 = nearest): exp(-j / gamma), so near positions dominate."""
     return torch.tensor([math.exp(-j / gamma) for j in range(num_drafts)])
+
+
+def acceptance_weights(row_losses: torch.Tensor, block_of_row: torch.Tensor, draft_of_row: torch.Tensor,
+                       num_blocks: int, num_drafts: int, alpha: float) -> torch.Tensor:
+    """D-PACE loss weights (speculators' `per_position_loss_weight=dpace`): each draft weighs what the block's
+    expected accepted length gains from it.
+
+    With q_j = exp(-CE_j) the drafter's probability of the verifier's greedy token at draft j (so CE against the
+    argmax: `drafter.distill_target=argmax`), smoothed to s_j = (1 - alpha) q_j + alpha, the block accepts past
+    draft i with probability prod_{k<=i} s_k, and draft j's weight is the sum of those products over i >= j: the
+    derivative of the expected accepted length with respect to log s_j. Drafts with no row (outside the answer) count
+    as s = 1 and get no weight. No gradient flows through the weights.
+
+    row_losses [M] (each row's CE), block_of_row [M] in [0, num_blocks), draft_of_row [M] in [0, num_drafts) ->
+    weights [M]."""
+    with torch.no_grad():
+        smooth = torch.ones(num_blocks, num_drafts, device=row_losses.device)
+        present = torch.zeros(num_blocks, num_drafts, device=row_losses.device)
+        smooth[block_of_row, draft_of_row] = (1.0 - alpha) * torch.exp(-row_losses.float()) + alpha
+        present[block_of_row, draft_of_row] = 1.0
+        reach = torch.cumprod(smooth, dim=-1) * present  # [blocks, K]: P(accepted through draft i)
+        weights = reach.flip(-1).cumsum(-1).flip(-1) * present  # sum over i >= j
+        return weights[block_of_row, draft_of_row]

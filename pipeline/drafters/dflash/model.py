@@ -8,6 +8,7 @@ Qwen3-style (q_norm / k_norm) whatever the verifier, which is the layout specula
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
-from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
+from pipeline.drafters.dflash.blocks import (acceptance_weights, block_attention_allowed, position_decay,
+                                             sample_anchors)
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -174,6 +176,18 @@ class DFlashDrafter(DrafterBase):
         return block_loss(self, samples, options, generator)[:3]
 
 
+def _row_weights(options: dict[str, Any], block_of_row: torch.Tensor, draft_of_row: torch.Tensor, num_blocks: int,
+                 num_drafts: int):
+    """Loss weight per row: exp(-j / loss_decay_gamma) of its draft index j ("decay"), or D-PACE's acceptance
+    weights computed from the rows' own losses ("dpace", `acceptance_weights`)."""
+    if options.get("position_weighting", "decay") == "dpace":
+        return functools.partial(acceptance_weights, block_of_row=block_of_row, draft_of_row=draft_of_row,
+                                 num_blocks=num_blocks, num_drafts=num_drafts,
+                                 alpha=float(options.get("dpace_alpha", 0.5)))
+    decay = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0))
+    return decay.to(draft_of_row.device)[draft_of_row]
+
+
 def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
                generator: torch.Generator | None = None):
     """Position-decayed distillation over random anchor blocks.
@@ -212,10 +226,10 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     with torch.no_grad():
         teacher = model.teacher_logits(last.reshape(-1, last.shape[-1])[unique_pos])  # [U, V]: the verifier's view
     rows = hidden[b, n, j]  # [M, H]
-    weights = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0)).to(rows.device)[j]
+    weights = _row_weights(options, b * anchors.shape[1] + n, j, anchors.numel(), num_drafts)
     # The head's [M, Vd] logits are computed blockwise, never held (DSpark's Markov bias is one [U, Vd] input: the
     # rows of a position share its previous token).
     loss, correct, total, acceptance = distill_hidden_rows(
         model, rows, teacher, j, weights, teacher_rows, bias=model.logit_bias(input_ids.reshape(-1)[unique_pos]),
-        with_acceptance=model.biases_logits)
+        with_acceptance=model.biases_logits, target=options.get("distill_target", "distribution"))
     return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance}
