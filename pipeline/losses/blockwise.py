@@ -46,19 +46,18 @@ class _BlockwiseSoftCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias[teacher].float()
             target = teacher_probs[teacher]  # [b, Vd]
-            weights = (torch.ones(logits.shape[0], device=logits.device) if weights_from_losses
-                       else row_weights[rows])  # [b]
             drafted[rows] = logits.argmax(dim=-1)
             # CE(p, q) = logsumexp(logits) - <p, logits> for p summing to 1
             per_row = torch.logsumexp(logits, dim=-1) - torch.linalg.vecdot(target, logits)
-            if weights_from_losses:
+            if weights_from_losses:  # weighted once every row is scored, below
                 losses[rows] = per_row
             else:
-                loss += (per_row * weights).sum()
+                loss += (per_row * row_weights[rows]).sum()
             grad_logits = torch.softmax(logits, dim=-1).sub_(target)  # [b, Vd]: q - p
             if with_acceptance:
                 acceptance[rows] = 1.0 - 0.5 * grad_logits.abs().sum(dim=-1)
-            grad_logits.mul_(weights[:, None])
+            if not weights_from_losses:
+                grad_logits.mul_(row_weights[rows][:, None])
             grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_bias is not None:  # rows that share a teacher row share its bias
                 grad_bias.index_add_(0, teacher, grad_logits.to(grad_bias.dtype))

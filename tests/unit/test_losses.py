@@ -70,22 +70,28 @@ def test_draft_head_is_a_linear_layer_without_a_teacher():
     assert torch.equal(head(hidden), F.linear(hidden, head.weight))
 
 
+def _drafter_with_head(weight, draft_ids):
+    """What distill_hidden_rows reads of a drafter: a frozen head over the draft vocabulary `draft_ids` and the maps
+    between it and the verifier's vocabulary (K = 3)."""
+    head = DraftHead(weight.shape[1], weight.shape[0], bias=False).requires_grad_(False)
+    head.weight.copy_(weight)
+    return SimpleNamespace(
+        lm_head=head, spec=SimpleNamespace(num_speculative_tokens=3),
+        to_draft_vocab=lambda logits: logits[..., draft_ids], to_target_ids=lambda ids: draft_ids[ids])
+
+
 @pytest.mark.parametrize("pruned", [False, True])
 def test_distill_hidden_rows_equals_distill_rows_on_the_heads_logits(pruned):
     student, weight, _, teacher_rows, row_weights = _problem(vocab=300)
     generator = torch.Generator().manual_seed(3)
     teacher_full = torch.randn(11, 400, generator=generator)  # the verifier's 400-token vocabulary
     draft_ids = torch.randperm(400, generator=generator)[:300].sort().values if pruned else torch.arange(300)
-    head = DraftHead(16, 300, bias=False).requires_grad_(False)
-    head.weight.copy_(weight)
-    model = SimpleNamespace(
-        lm_head=head, spec=SimpleNamespace(num_speculative_tokens=3),
-        to_draft_vocab=lambda logits: logits[..., draft_ids], to_target_ids=lambda ids: draft_ids[ids])
+    model = _drafter_with_head(weight, draft_ids)
     depths = torch.arange(student.shape[0]) % 3
     with torch.no_grad():  # the verifier agrees with the student's greedy pick on the first rows
         picks = draft_ids[(student[:6] @ weight.t()).argmax(dim=-1)]
         teacher_full[teacher_rows[:6], picks] += 100.0
-    expected = distill_rows(model, head(student), teacher_full, depths, row_weights, teacher_rows)
+    expected = distill_rows(model, model.lm_head(student), teacher_full, depths, row_weights, teacher_rows)
     (expected_grad,) = torch.autograd.grad(expected[0], student)
     got = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows)[:3]
     (grad,) = torch.autograd.grad(got[0], student)
@@ -121,11 +127,7 @@ def test_the_argmax_target_is_cross_entropy_on_the_verifiers_greedy_draft_token(
     generator = torch.Generator().manual_seed(8)
     teacher_full = torch.randn(11, 400, generator=generator)
     draft_ids = torch.randperm(400, generator=generator)[:300].sort().values
-    head = DraftHead(16, 300, bias=False).requires_grad_(False)
-    head.weight.copy_(weight)
-    model = SimpleNamespace(
-        lm_head=head, spec=SimpleNamespace(num_speculative_tokens=3),
-        to_draft_vocab=lambda logits: logits[..., draft_ids], to_target_ids=lambda ids: draft_ids[ids])
+    model = _drafter_with_head(weight, draft_ids)
     depths = torch.arange(student.shape[0]) % 3
     labels = teacher_full[:, draft_ids].argmax(dim=-1)[teacher_rows]  # the greedy token inside the draft vocabulary
     per_row = F.cross_entropy(student @ weight.t(), labels, reduction="none")
