@@ -122,13 +122,13 @@ def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(overrid
     (["drafter=dspark", "drafter.distill_target=argmax", "drafter.position_weighting=dpace"],
      "drafter.position_weighting"),  # DSpark's Markov bias trains with fixed weights
     (["drafter=peagle", "drafter.distill_target=argmax"], "drafter.distill_target"),
-    (["drafter=dflash", "drafter.position_weighting=dpace"], "drafter.position_weighting"),  # needs argmax
+    (["drafter=dflash", "drafter.distill_target=distribution"], "drafter.position_weighting"),  # dpace needs argmax
     (["drafter=dflash", "drafter.distill_target=hard"], "drafter.distill_target"),
-    (["drafter=dflash", "drafter.distill_target=argmax", "drafter.position_weighting=dpace",
-      "drafter.dpace_alpha=1.0"], "drafter.dpace_alpha"),
+    (["drafter=dflash", "drafter.dpace_alpha=1.0"], "drafter.dpace_alpha"),
 ])
 def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(overrides, field):
-    validate(compose(["drafter=dflash", "drafter.distill_target=argmax", "drafter.position_weighting=dpace"]))
+    validate(compose(["drafter=dflash"]))  # speculators' DFlash loss is the default
+    validate(compose(["drafter=dflash", "drafter.distill_target=distribution", "drafter.position_weighting=decay"]))
     validate(compose(["drafter=dspark", "drafter.distill_target=argmax"]))
     with pytest.raises(PipelineError, match=field.replace(".", r"\.") + ": "):
         validate(compose(overrides))
@@ -139,9 +139,9 @@ def test_later_drafter_options_at_their_defaults_keep_the_train_key_of_runs_made
 
     from pipeline.paths import LATER_DRAFTER_DEFAULTS, StagePaths, content_key
 
-    cfg = compose(["drafter=dflash"])
+    cfg = compose(["drafter=dflash", "drafter.distill_target=distribution", "drafter.position_weighting=decay"])
     paths = StagePaths(cfg)
     before = {k: v for k, v in OmegaConf.to_container(cfg.drafter).items() if k not in LATER_DRAFTER_DEFAULTS}
     assert paths.train_key == content_key(paths.store_key, before, cfg.training, cfg.deepspeed, cfg.seed)
-    chosen = StagePaths(compose(["drafter=dflash", "drafter.distill_target=argmax"]))
+    chosen = StagePaths(compose(["drafter=dflash"]))
     assert chosen.train_key != paths.train_key and chosen.store_key == paths.store_key
