@@ -50,6 +50,22 @@ def tiny_verifier_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_family_path(tmp_path_factory):
+    """family -> the folder of a tiny random verifier of that family (verifier.tiny: qwen3 | qwen3_moe), built
+    through resolve_verifier_path on first request, once a session."""
+    from omegaconf import OmegaConf
+
+    from pipeline.generation.verifier import resolve_verifier_path
+
+    cache = tmp_path_factory.mktemp("tiny-families")
+
+    def path(family: str) -> str:
+        return resolve_verifier_path(OmegaConf.create({"name": f"tiny-{family}", "path": None, "gguf_package": None,
+                                                       "tiny": family, "cache_dir": str(cache)}))
+    return path
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     import ray
 

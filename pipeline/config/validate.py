@@ -11,6 +11,7 @@ from pipeline.config import schema as schema_module
 from pipeline.data.prompts import OFFLINE_SOURCES
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_config
 from pipeline.errors import PipelineError
+from pipeline.families import TINY_FAMILIES
 from pipeline.training.optim import LR_SCHEDULES, OPTIMIZERS
 
 KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
@@ -109,6 +110,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("save_dtype", "compute_dtype"):
         value = cfg.verifier[key]
         _require(value in KNOWN_DTYPES, f"verifier.{key}: '{value}' is not one of {KNOWN_DTYPES}")
+    _require(not cfg.verifier.get("tiny") or cfg.verifier.tiny in TINY_FAMILIES,
+             f"verifier.tiny: '{cfg.verifier.get('tiny')}' is not one of {TINY_FAMILIES}")
     for stage in cfg.stages:
         _require(stage in KNOWN_STAGES, f"stages: unknown stage '{stage}'; known: {KNOWN_STAGES}")
 

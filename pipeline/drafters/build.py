@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
+from pipeline.families import family_of, logit_softcap
 
 
 def default_aux_layer_ids(algorithm: str, num_verifier_layers: int) -> list[int]:
@@ -31,14 +32,18 @@ def store_layer_ids(configured_aux: Optional[list[int]], num_verifier_layers: in
 
 
 def _layer_config_dict(verifier_config: Any) -> dict[str, Any]:
+    """The verifier text model's sizes in its family's drafter layer layout (pipeline/families.py): a Qwen3-MoE
+    verifier gives a dense Qwen3 layer of its dense intermediate_size, a Gemma verifier a Llama layer."""
     keep = (
-        "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
         "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings", "vocab_size",
         "attention_bias", "mlp_bias", "hidden_act", "tie_word_embeddings", "bos_token_id", "eos_token_id",
         "pad_token_id",
     )
+    family = family_of(verifier_config.model_type)
     values = verifier_config.to_dict()
-    return {key: values[key] for key in keep if key in values and values[key] is not None}
+    layer = {key: values[key] for key in keep if key in values and values[key] is not None}
+    return {"model_type": family.drafter_layer_type, **layer}
 
 
 def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
@@ -91,6 +96,8 @@ def make_spec(
         num_layers=int(drafter_cfg.num_layers),
         norm_before_residual=bool(drafter_cfg.norm_before_residual),
         extra={key: drafter_cfg[key] for key in cls.extra_keys},
+        verifier_architecture=(verifier_config.architectures or [""])[0],
+        verifier_logit_softcap=logit_softcap(verifier_config),
     )
 
 

@@ -24,7 +24,9 @@ class DrafterSpec:
     algorithm: str
     verifier_name: str
     verifier_path: str
-    transformer_layer_config: dict[str, Any]  # the verifier's HF config (model_type llama / qwen3)
+    # The drafter layer's HF config: the verifier's sizes in the layer layout of its family (model_type llama / qwen3,
+    # pipeline/families.py).
+    transformer_layer_config: dict[str, Any]
     aux_layer_ids: list[int]
     num_speculative_tokens: int
     mask_token_id: int
@@ -34,6 +36,10 @@ class DrafterSpec:
     draft_token_ids: Optional[list[int]] = None
     # Algorithm-specific architecture choices (DFlash block size, DSpark head ranks, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # The verifier's HF architecture (config.architectures[0]); empty in specs saved before it was recorded.
+    verifier_architecture: str = ""
+    # The verifier's final-logit soft cap c (Gemma: logits -> c * tanh(logits / c)); None: no cap.
+    verifier_logit_softcap: Optional[float] = None
 
     @property
     def hidden_size(self) -> int:
@@ -64,6 +70,11 @@ class DrafterSpec:
         config.num_hidden_layers = self.num_layers
         config._attn_implementation = "sdpa"
         return config
+
+
+def soft_cap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """c * tanh(logits / c) (Gemma-2's final-logit soft capping, kept by Gemma-4), or logits unchanged without a cap."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
 
 
 class DrafterBase(nn.Module):
@@ -124,8 +135,10 @@ class DrafterBase(nn.Module):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """The verifier's full-vocabulary logits from its post-norm final hidden state."""
-        return nn.functional.linear(last_hidden, self.verifier_head.to(last_hidden.dtype))
+        """The verifier's full-vocabulary logits [..., V] from its post-norm final hidden state [..., H], soft-capped
+        as the verifier caps them."""
+        return soft_cap(nn.functional.linear(last_hidden, self.verifier_head.to(last_hidden.dtype)),
+                        self.spec.verifier_logit_softcap)
 
     def to_draft_vocab(self, full_logits: torch.Tensor) -> torch.Tensor:
         return full_logits if self.draft_ids is None else full_logits[..., self.draft_ids]

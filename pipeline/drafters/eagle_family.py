@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.chains import attention_allowed, attention_allowed_to, sample_training_rows
-from pipeline.drafters.common import DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary
+from pipeline.drafters.common import (DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm, build_rotary,
+                                      soft_cap)
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 
@@ -138,7 +139,8 @@ def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, te
     index into U.
     """
     with torch.no_grad():
-        teacher_probs = F.softmax(model.lm_head(teacher_hidden).float(), dim=-1)  # [U, Vd]
+        teacher_logits = soft_cap(model.lm_head(teacher_hidden).float(), model.spec.verifier_logit_softcap)
+        teacher_probs = F.softmax(teacher_logits, dim=-1)  # [U, Vd]
     loss, _, _ = model.lm_head(student_hidden, teacher_probs, teacher_rows)
     zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student_hidden.device)
     return loss, zeros, zeros.clone()

@@ -19,6 +19,7 @@ from typing import Optional
 from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.evaluation import gate
+from pipeline.families import vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,16 @@ RESULT_FILE = "vllm.json"
 CPU_ALGORITHMS = ("eagle3", "peagle", "dflash")
 
 
-def skip_reason(enabled: str, algorithm: str, on_gpu: bool) -> Optional[str]:
-    """Why the cross-check cannot run here (None: it runs). `enabled: true` turns a reason into an error."""
+def skip_reason(enabled: str, algorithm: str, on_gpu: bool, verifier_model_type: str = "llama") -> Optional[str]:
+    """Why the cross-check cannot run here (None: it runs). `enabled: true` turns a reason into an error.
+    verifier_model_type: the verifier config's model_type; vLLM serves no drafter for some families
+    (pipeline/families.py)."""
     if enabled == "false":
         return "evaluation.vllm.enabled is false"
     if importlib.util.find_spec("vllm") is None:
         reason = "vLLM is not installed"
+    elif vllm_unsupported_reason(verifier_model_type):
+        reason = vllm_unsupported_reason(verifier_model_type)
     elif not on_gpu and algorithm not in CPU_ALGORITHMS:
         reason = f"vLLM on CPU does not run {algorithm} drafters (its GPU model runner does)"
     else:
@@ -121,7 +126,11 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
     import torch
 
     folder = ctx.paths.evaluation
-    reason = skip_reason(str(ctx.cfg.evaluation.vllm.enabled).lower(), report["drafter"], torch.cuda.is_available())
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(ctx.verifier_path).model_type
+    reason = skip_reason(str(ctx.cfg.evaluation.vllm.enabled).lower(), report["drafter"], torch.cuda.is_available(),
+                         model_type)
     if reason:
         log.warning("vllm_eval: skipped: %s", reason)
         ctx.set_tags({"vllm.skipped": reason})

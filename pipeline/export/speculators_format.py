@@ -97,6 +97,9 @@ def _block_fields(spec: DrafterSpec) -> dict[str, Any]:
 
 
 def _verifier_architecture(spec: DrafterSpec) -> str:
+    """The verifier's HF architecture; a spec saved before it was recorded had a verifier of its layer's type."""
+    if spec.verifier_architecture:
+        return spec.verifier_architecture
     return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec.transformer_layer_config["model_type"]]
 
 
@@ -182,6 +185,7 @@ def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tenso
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         draft_token_ids=ids_from_d2t(weights["d2t"]) if "d2t" in weights else None,
         extra=extra,
+        verifier_architecture=(config["speculators_config"]["verifier"].get("architectures") or [""])[0],
     )
 
 

@@ -34,7 +34,9 @@ def resolve_verifier_path(verifier_cfg: Any) -> str:
         return _resolve_explicit_path(str(verifier_cfg.path))
     if verifier_cfg.gguf_package:
         return str(_convert_packaged_gguf(verifier_cfg))
-    raise PipelineError("verifier.path: set a local folder or hub id, or verifier.gguf_package")
+    if verifier_cfg.get("tiny"):
+        return str(_built_tiny_verifier(verifier_cfg))
+    raise PipelineError("verifier.path: set a local folder or hub id, verifier.gguf_package or verifier.tiny")
 
 
 def _resolve_explicit_path(path: str) -> str:
@@ -95,6 +97,18 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
         log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
         with atomic_folder(target) as staging:
             _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype], verifier_cfg)
+    return target
+
+
+def _built_tiny_verifier(verifier_cfg: Any) -> Path:
+    from pipeline.generation.tiny_verifier import BUILD_VERSION, save_tiny_verifier
+
+    target = Path(verifier_cfg.cache_dir).expanduser() / f"tiny-{verifier_cfg.tiny}-v{BUILD_VERSION}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):  # built once, as a GGUF is converted once
+        if not (target / "config.json").is_file():
+            with atomic_folder(target) as staging:
+                save_tiny_verifier(str(verifier_cfg.tiny), staging)
     return target
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pipeline.families import family_of
 from pipeline.generation.verifier import cut_after_stop, verifier_stop_token_ids
 
 
@@ -30,18 +31,21 @@ def _local_folder(verifier_path: str) -> Path:
 
 
 def _final_norm(folder: Path) -> tuple[torch.Tensor, float]:
-    """(weight, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model."""
+    """(scale, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model: the stored
+    weight plus its family's offset (Gemma-3 scales by 1 + weight, pipeline/families.py)."""
     config = json.loads((folder / "config.json").read_text())
+    offset = family_of(config["model_type"]).final_norm_offset
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             if "model.norm.weight" in handle.keys():
-                return handle.get_tensor("model.norm.weight").float(), float(config.get("rms_norm_eps", 1e-6))
+                scale = handle.get_tensor("model.norm.weight").float() + offset
+                return scale, float(config.get("rms_norm_eps", 1e-6))
     raise FileNotFoundError(f"no model.norm.weight in the safetensors of {folder}")
 
 
-def rms_norm(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(rows: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     rows = rows.float()
-    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * scale
 
 
 def use_all_cores_on_a_small_cpu() -> None:

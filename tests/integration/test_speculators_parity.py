@@ -32,6 +32,16 @@ def verifier_config(tiny_verifier_path):
     return AutoConfig.from_pretrained(tiny_verifier_path)
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def family(request, tiny_verifier_path, tiny_family_path):
+    """(HF config, path) of a verifier per drafter layer layout: Llama (SmolLM2's), and Qwen3-MoE, whose drafters get
+    a dense Qwen3 layer (pipeline/families.py)."""
+    from transformers import AutoConfig
+
+    path = tiny_verifier_path if request.param == "llama" else tiny_family_path(request.param)
+    return AutoConfig.from_pretrained(path), path
+
+
 def _ours(algorithm, verifier_config, verifier_path, **overrides):
     cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": K,
                                                                "markov_rank": 8, **overrides})
@@ -85,8 +95,8 @@ def _eager_loss_kwargs(algorithm):
 
 
 @pytest.mark.parametrize("options", [{}, {"norm_before_fc": True, "norm_output": True}], ids=["plain", "normed"])
-def test_eagle3_ttt_logits_match(options, tmp_path, verifier_config, tiny_verifier_path):
-    ours = _ours("eagle3", verifier_config, tiny_verifier_path, **options)
+def test_eagle3_ttt_logits_match(options, tmp_path, family):
+    ours = _ours("eagle3", *family, **options)
     assert (ours.input_norm is not None) == bool(options) and ours.norm_output == bool(options)
     folder = export_speculators(ours, tmp_path / "eagle3", dtype=torch.float32)
     theirs = _theirs(folder)
@@ -107,10 +117,10 @@ def test_eagle3_ttt_logits_match(options, tmp_path, verifier_config, tiny_verifi
 
 @pytest.mark.parametrize("options", [{}, {"norm_before_fc": True}, {"embed_requires_grad": True}],
                          ids=["plain", "normed", "trained-embedding"])
-def test_peagle_parallel_logits_match(options, tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
+def test_peagle_parallel_logits_match(options, tmp_path, family, monkeypatch):
     import speculators.models.peagle.core as peagle_core
 
-    ours = _ours("peagle", verifier_config, tiny_verifier_path, **options)
+    ours = _ours("peagle", *family, **options)
     # a trained embedding (moved off the verifier's by _ours) must reach their model through the export
     assert ours.embed_tokens.weight.requires_grad == bool(options.get("embed_requires_grad"))
     folder = export_speculators(ours, tmp_path / "peagle", dtype=torch.float32)
@@ -129,10 +139,10 @@ def test_peagle_parallel_logits_match(options, tmp_path, verifier_config, tiny_v
 
 
 @pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
-def test_block_drafter_logits_match(algorithm, tmp_path, verifier_config, tiny_verifier_path, monkeypatch):
+def test_block_drafter_logits_match(algorithm, tmp_path, family, monkeypatch):
     import speculators.models.dflash.core as dflash_core
 
-    ours = _ours(algorithm, verifier_config, tiny_verifier_path)
+    ours = _ours(algorithm, *family)
     folder = export_speculators(ours, tmp_path / algorithm, dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())
     assert config["sliding_window_non_causal"] is True  # vLLM then runs the block bidirectionally, as we train
@@ -164,19 +174,19 @@ def test_block_drafter_logits_match(algorithm, tmp_path, verifier_config, tiny_v
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash", "dspark"])
-def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, verifier_config,
-                                                           tiny_verifier_path):
-    ours = _ours(algorithm, verifier_config, tiny_verifier_path, causal_block=True, norm_before_fc=True,
+def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, family):
+    verifier_path = family[1]
+    ours = _ours(algorithm, *family, causal_block=True, norm_before_fc=True,
                  norm_output=True)  # each drafter keeps the options it has (spec.extra)
     if algorithm == "dspark":
         ours.spec.extra["confidence_threshold"] = 0.4  # the export records the evaluated threshold
     kept = sorted(torch.randperm(ours.spec.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist())
     pruned_spec = type(ours.spec).from_dict({**ours.spec.to_dict(), "draft_token_ids": kept})
-    pruned = build_drafter(pruned_spec, verifier_head_tensors(tiny_verifier_path)).float()
+    pruned = build_drafter(pruned_spec, verifier_head_tensors(verifier_path)).float()
     shapes = {k: v.shape for k, v in pruned.state_dict().items()}
     pruned.load_state_dict({k: v for k, v in ours.state_dict().items() if v.shape == shapes[k]}, strict=False)
     folder = export_speculators(pruned, tmp_path / algorithm)
-    back = load_speculators(folder, tiny_verifier_path)
+    back = load_speculators(folder, verifier_path)
     assert back.spec.draft_token_ids == kept and back.spec.extra == pruned.spec.extra
     assert back.spec.aux_layer_ids == pruned.spec.aux_layer_ids
     for name, tensor in pruned.state_dict().items():

@@ -1,0 +1,81 @@
+"""What differs between verifier families, in one place: each fact here is read by every stage that needs it.
+
+A family is named by its HF config's ``model_type``. The facts:
+- ``drafter_layer_type``: the decoder-layer layout of an EAGLE-3 / P-EAGLE drafter for this verifier. vLLM 0.32
+  builds speculators' EAGLE-3 and P-EAGLE drafters from a ``llama`` or a ``qwen3`` layer config only
+  (vllm/transformers_utils/configs/speculators/algos.py), so a Qwen3-MoE verifier gets a dense Qwen3 layer (a
+  drafter never routes through experts) and Gemma verifiers a Llama layer, as speculators' own recipes do.
+- ``vllm_collects_aux``: whether vLLM 0.32's model of this family hands aux hidden states to a drafter (it
+  implements ``SupportsEagle3``). EAGLE-3, P-EAGLE and DFlash all read them; without it vLLM cannot serve any of
+  our drafters on this verifier (Gemma-3).
+- ``final_norm_offset``: the final RMSNorm scales by (offset + weight): 0 for Llama, Qwen3 and Gemma-4, 1 for
+  Gemma-3 (its weights are stored as a difference from one). vLLM capture hands over the last layer before the
+  final norm and the store keeps it after, so the norm is applied with this.
+- ``logit_softcap_key``: the config field of a final-logit soft cap (Gemma-2/4: logits -> c * tanh(logits / c)), which
+  the verifier applies before its softmax, so distillation targets apply it too; None when the family has none.
+
+Not yet supported: a multimodal checkpoint (gemma-4-31B-it's Gemma4ForConditionalGeneration nests its text model
+under ``model.language_model.`` and its config under ``text_config``): its model_type is refused by name.
+
+Facts that need no entry: where the final norm sits (every family's HF ``hidden_states[-1]`` is taken after it,
+which the store relies on) and Gemma's sqrt(hidden_size) embedding scale (applied in the verifier's forward, after the embedding
+lookup: the drafter reads the raw embedding table, as vLLM's drafter does, and the verifier's own states come from
+its own forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pipeline.errors import PipelineError
+
+
+@dataclass(frozen=True)
+class VerifierFamily:
+    model_type: str
+    drafter_layer_type: str
+    vllm_collects_aux: bool
+    final_norm_offset: float = 0.0
+    logit_softcap_key: Optional[str] = None
+
+
+# Families a tiny random verifier can be built of offline (verifier.tiny, pipeline/generation/tiny_verifier.py).
+TINY_FAMILIES = ("qwen3", "qwen3_moe")
+
+FAMILIES = {family.model_type: family for family in (
+    VerifierFamily("llama", drafter_layer_type="llama", vllm_collects_aux=True),
+    VerifierFamily("qwen3", drafter_layer_type="qwen3", vllm_collects_aux=True),
+    VerifierFamily("qwen3_moe", drafter_layer_type="qwen3", vllm_collects_aux=True),
+    # vLLM 0.32's Gemma-3 (gemma3.py) does not implement SupportsEagle3: no aux hidden states reach a drafter.
+    VerifierFamily("gemma3_text", drafter_layer_type="llama", vllm_collects_aux=False, final_norm_offset=1.0,
+                   logit_softcap_key="final_logit_softcapping"),
+    VerifierFamily("gemma4_text", drafter_layer_type="llama", vllm_collects_aux=True,
+                   logit_softcap_key="final_logit_softcapping"),
+)}
+
+
+def family_of(model_type: str) -> VerifierFamily:
+    """The family of a verifier config's model_type. Raises PipelineError naming the type and the known ones."""
+    if model_type not in FAMILIES:
+        raise PipelineError(f"verifier.path: model_type '{model_type}' is not a supported verifier family "
+                            f"(known: {sorted(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def logit_softcap(config: Any) -> Optional[float]:
+    """The verifier's final-logit soft cap c (logits -> c * tanh(logits / c)), or None."""
+    family = family_of(config.model_type)
+    if family.logit_softcap_key is None:
+        return None
+    value = getattr(config, family.logit_softcap_key, None)
+    return float(value) if value else None
+
+
+def vllm_unsupported_reason(model_type: str) -> Optional[str]:
+    """One line on why vLLM 0.32 cannot run our drafters on this verifier family, or None when it can."""
+    family = family_of(model_type)
+    if family.vllm_collects_aux:
+        return None
+    return (f"vLLM 0.32's {model_type} model passes no aux hidden states to a drafter (no EAGLE-3 support), "
+            "so it cannot serve an EAGLE-3, P-EAGLE or DFlash drafter for this verifier")

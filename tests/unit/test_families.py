@@ -1,0 +1,156 @@
+"""Verifier families (pipeline/families.py) and the tiny Qwen3 / Qwen3-MoE verifiers built offline from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.errors import PipelineError
+from pipeline.families import family_of, logit_softcap, vllm_unsupported_reason
+
+THINKING_CHAT = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "<think>\nsecret plan\n</think>\n\nanswer one"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "<think>\nmore thought\n</think>\n\nanswer two"},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    from pipeline.generation.tiny_verifier import qwen3_tokenizer
+
+    return qwen3_tokenizer()
+
+
+def tiny_verifier_cfg(family: str, cache: Path):
+    return OmegaConf.create({"name": f"tiny-{family}", "path": None, "gguf_package": None, "tiny": family,
+                             "cache_dir": str(cache)})
+
+
+@pytest.fixture(scope="module")
+def tiny_family_paths(tmp_path_factory):
+    """Both tiny families built once through verifier.tiny, as a job resolves them."""
+    from pipeline.generation.verifier import resolve_verifier_path
+
+    cache = tmp_path_factory.mktemp("verifiers")
+    return {family: resolve_verifier_path(tiny_verifier_cfg(family, cache)) for family in ("qwen3", "qwen3_moe")}
+
+
+def test_an_unknown_family_is_refused_by_its_model_type():
+    with pytest.raises(PipelineError, match=r"verifier.path: model_type 'mamba' is not a supported verifier family"):
+        family_of("mamba")
+
+
+def test_an_unknown_tiny_family_is_refused_by_name():
+    from pipeline.config import compose, validate
+
+    validate(compose(["verifier=tiny_qwen3_moe"]))
+    with pytest.raises(PipelineError, match=r"verifier.tiny: 'gemma' is not one of"):
+        validate(compose(["verifier=tiny_qwen3", "verifier.tiny=gemma"]))
+
+
+def test_vllm_serves_no_drafter_for_gemma3_and_the_check_says_why():
+    from pipeline.evaluation.vllm_check import skip_reason
+
+    assert vllm_unsupported_reason("qwen3_moe") is None and vllm_unsupported_reason("llama") is None
+    reason = skip_reason("auto", "peagle", on_gpu=False, verifier_model_type="gemma3_text")
+    assert reason and "gemma3_text" in reason and "aux hidden states" in reason
+    with pytest.raises(PipelineError, match="evaluation.vllm.enabled is true but vLLM 0.32's gemma3_text"):
+        skip_reason("true", "peagle", on_gpu=False, verifier_model_type="gemma3_text")
+
+
+def test_the_qwen_tokenizer_encodes_as_qwen3_does(qwen3_tokenizer):
+    # ids as Qwen2/Qwen3's published tokenizer gives them, and Qwen3's added tokens at their ids
+    assert qwen3_tokenizer("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]
+    assert qwen3_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "</think>"]) == [
+        151643, 151644, 151645, 151668]
+    text = "def add(a, b):\n    return a + b  # 12345 ünïcödé"
+    assert qwen3_tokenizer.decode(qwen3_tokenizer(text)["input_ids"]) == text
+
+
+def test_the_qwen3_template_masks_earlier_reasoning_against_the_final_rendering(qwen3_tokenizer):
+    from pipeline.data.chat import prompt_ids, tokenize_conversation
+
+    prompt = prompt_ids(qwen3_tokenizer, THINKING_CHAT[:1])
+    assert qwen3_tokenizer.decode(prompt) == "<|im_start|>user\nfirst question<|im_end|>\n<|im_start|>assistant\n"
+    ids, mask = tokenize_conversation(qwen3_tokenizer, THINKING_CHAT)
+    trained = qwen3_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    # the first answer's reasoning is gone from the final rendering, the last answer's kept; each with its <|im_end|>
+    assert trained == "answer one<|im_end|>\n<think>\nmore thought\n</think>\n\nanswer two<|im_end|>\n"
+
+
+@pytest.mark.parametrize("family, architecture", [("qwen3", "Qwen3ForCausalLM"),
+                                                  ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_a_tiny_family_verifier_is_built_once_with_the_familys_tokenizer_and_stop_ids(tiny_family_paths, family,
+                                                                                       architecture):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.generation.verifier import resolve_verifier_path, verifier_stop_token_ids
+
+    path = tiny_family_paths[family]
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [architecture] and config.model_type == family
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert verifier_stop_token_ids(path, tokenizer) == (151645, 151643)  # <|im_end|>, <|endoftext|>
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([tokenizer("Hello, world!")["input_ids"]])
+    logits = model(ids).logits[0, -1]
+    assert logits.argmax() < len(tokenizer)  # padding rows past the tokenizer are never the greedy choice
+    assert (logits[len(tokenizer):] == 0).all()
+    stamp = (Path(path) / "model.safetensors").stat().st_mtime_ns
+    assert resolve_verifier_path(tiny_verifier_cfg(family, Path(path).parent)) == path
+    assert (Path(path) / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not built again
+
+
+def test_a_moe_verifiers_drafter_gets_a_dense_qwen3_layer_and_the_export_names_the_verifier(tiny_family_paths,
+                                                                                            tmp_path):
+    from transformers import AutoConfig
+
+    from pipeline.drafters.build import build_drafter, make_spec
+    from pipeline.export.speculators_format import export_speculators
+    from pipeline.config import compose
+
+    path = tiny_family_paths["qwen3_moe"]
+    verifier_config = AutoConfig.from_pretrained(path)
+    spec = make_spec(compose(["drafter=eagle3"]).drafter, verifier_config, "tiny-qwen3-moe", path, 151643)
+    layer = spec.transformer_layer_config
+    assert layer["model_type"] == "qwen3" and layer["intermediate_size"] == verifier_config.intermediate_size
+    assert "num_experts" not in layer and spec.verifier_architecture == "Qwen3MoeForCausalLM"
+    exported = export_speculators(build_drafter(spec), tmp_path / "export")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["transformer_layer_config"]["model_type"] == "qwen3"
+
+
+def test_a_soft_capped_verifiers_targets_are_capped_as_its_logits_are():
+    from transformers import Gemma3TextConfig
+
+    from pipeline.drafters.common import soft_cap
+
+    assert logit_softcap(Gemma3TextConfig(final_logit_softcapping=30.0)) == 30.0
+    assert logit_softcap(Gemma3TextConfig(final_logit_softcapping=None)) is None
+    logits = torch.tensor([-100.0, 0.0, 5.0, 100.0])
+    capped = soft_cap(logits, 30.0)
+    assert torch.allclose(capped, 30.0 * torch.tanh(logits / 30.0)) and capped.abs().max() < 30.0
+    assert soft_cap(logits, None) is logits
+
+
+def test_the_vllm_capture_final_norm_is_the_verifiers_own_for_gemma3s_offset_weights(tmp_path):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from pipeline.generation.vllm_backend import _final_norm, rms_norm
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight.normal_()  # Gemma-3 stores weight - 1: a norm read as Llama's would differ
+    model.save_pretrained(tmp_path)
+    rows = torch.randn(3, 32)
+    expected = model.model.norm(rows)
+    assert torch.allclose(rms_norm(rows, *_final_norm(tmp_path)), expected, atol=1e-5)
