@@ -41,7 +41,7 @@ class VerifierFamily:
 
 
 # Families a tiny random verifier can be built of offline (verifier.tiny, pipeline/generation/tiny_verifier.py).
-TINY_FAMILIES = ("qwen3", "qwen3_moe")
+TINY_FAMILIES = ("qwen3", "qwen3_moe", "gemma4")
 
 FAMILIES = {family.model_type: family for family in (
     VerifierFamily("llama", drafter_layer_type="llama", vllm_collects_aux=True),
@@ -70,6 +70,13 @@ def logit_softcap(config: Any) -> Optional[float]:
         return None
     value = getattr(config, family.logit_softcap_key, None)
     return float(value) if value else None
+
+
+def uses_sliding_window(config: Any) -> bool:
+    """Whether some of the verifier's layers attend within a sliding window (Gemma-3/4 alternate them with full
+    attention; Qwen3's configs name a window but every layer is full). Such a window counts cache slots, so a
+    decoder whose cache holds masked slots (padding, rejected drafts) must not batch those models."""
+    return "sliding_attention" in (getattr(config, "layer_types", None) or [])
 
 
 def vllm_unsupported_reason(model_type: str) -> Optional[str]:

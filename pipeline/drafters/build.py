@@ -43,6 +43,15 @@ def _layer_config_dict(verifier_config: Any) -> dict[str, Any]:
     family = family_of(verifier_config.model_type)
     values = verifier_config.to_dict()
     layer = {key: values[key] for key in keep if key in values and values[key] is not None}
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and "full_attention" in rope:
+        # Gemma keeps one rope per layer type (local sliding-window and global layers; Gemma-4's global one is a
+        # partial "proportional" rope): the drafter's single layer attends globally, with a plain rope of the
+        # global layers' theta, which Llama and Qwen3 layers (and vLLM's drafters) implement.
+        layer["rope_parameters"] = {"rope_type": "default", "rope_theta": rope["full_attention"]["rope_theta"]}
+    # Gemma names its activation hidden_activation (gelu): a Llama drafter layer keeps silu, the only activation
+    # vLLM's Llama MLP implements.
+    layer.setdefault("hidden_act", "silu")
     return {"model_type": family.drafter_layer_type, **layer}
 
 

@@ -53,6 +53,8 @@ def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champ
         return Decision(False, f"vLLM's greedy output is not the verifier's: {lossless_doubt}")
     if tau_gap > gate_cfg.max_tau_gap:
         return Decision(False, f"reference-vs-vLLM tau gap {tau_gap:.1%} exceeds {gate_cfg.max_tau_gap:.1%}")
+    if candidate_tau <= 1.0:  # every verifier step would pay for drafts and gain nothing
+        return Decision(False, f"tau {candidate_tau:.3f}: no draft was accepted, so serving it can only be slower")
     if champion is None:
         return Decision(True, f"first champion (tau {candidate_tau:.3f}, vLLM gap {tau_gap:.1%})")
     if champion.get("eval.signature") != signature:

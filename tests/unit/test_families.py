@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.families import family_of, logit_softcap, vllm_unsupported_reason
+from pipeline.families import TINY_FAMILIES, family_of, logit_softcap, vllm_unsupported_reason
 
 THINKING_CHAT = [
     {"role": "user", "content": "first question"},
@@ -38,7 +38,7 @@ def tiny_family_paths(tmp_path_factory):
     from pipeline.generation.verifier import resolve_verifier_path
 
     cache = tmp_path_factory.mktemp("verifiers")
-    return {family: resolve_verifier_path(tiny_verifier_cfg(family, cache)) for family in ("qwen3", "qwen3_moe")}
+    return {family: resolve_verifier_path(tiny_verifier_cfg(family, cache)) for family in TINY_FAMILIES}
 
 
 def test_an_unknown_family_is_refused_by_its_model_type():
@@ -84,23 +84,26 @@ def test_the_qwen3_template_masks_earlier_reasoning_against_the_final_rendering(
     assert trained == "answer one<|im_end|>\n<think>\nmore thought\n</think>\n\nanswer two<|im_end|>\n"
 
 
-@pytest.mark.parametrize("family, architecture", [("qwen3", "Qwen3ForCausalLM"),
-                                                  ("qwen3_moe", "Qwen3MoeForCausalLM")])
+@pytest.mark.parametrize("family, architecture, stops", [
+    ("qwen3", "Qwen3ForCausalLM", (151645, 151643)),  # <|im_end|>, <|endoftext|>
+    ("qwen3_moe", "Qwen3MoeForCausalLM", (151645, 151643)),
+    ("gemma4", "Gemma4ForCausalLM", (1, 106)),  # <eos>, <end_of_turn>
+])
 def test_a_tiny_family_verifier_is_built_once_with_the_familys_tokenizer_and_stop_ids(tiny_family_paths, family,
-                                                                                       architecture):
+                                                                                       architecture, stops):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.generation.verifier import resolve_verifier_path, verifier_stop_token_ids
 
     path = tiny_family_paths[family]
     config = AutoConfig.from_pretrained(path)
-    assert config.architectures == [architecture] and config.model_type == family
+    assert config.architectures == [architecture] and config.model_type == family.replace("gemma4", "gemma4_text")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assert verifier_stop_token_ids(path, tokenizer) == (151645, 151643)  # <|im_end|>, <|endoftext|>
+    assert verifier_stop_token_ids(path, tokenizer) == stops
     model = AutoModelForCausalLM.from_pretrained(path)
     ids = torch.tensor([tokenizer("Hello, world!")["input_ids"]])
     logits = model(ids).logits[0, -1]
-    assert logits.argmax() < len(tokenizer)  # padding rows past the tokenizer are never the greedy choice
+    assert logits.argmax() < len(tokenizer)  # padding rows past the tokenizer (Qwen3's) are never the greedy choice
     assert (logits[len(tokenizer):] == 0).all()
     stamp = (Path(path) / "model.safetensors").stat().st_mtime_ns
     assert resolve_verifier_path(tiny_verifier_cfg(family, Path(path).parent)) == path
@@ -125,6 +128,25 @@ def test_a_moe_verifiers_drafter_gets_a_dense_qwen3_layer_and_the_export_names_t
     config = json.loads((exported / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["architectures"] == ["Qwen3MoeForCausalLM"]
     assert config["transformer_layer_config"]["model_type"] == "qwen3"
+
+
+def test_a_gemma4_verifiers_drafter_gets_a_llama_layer_vllm_builds(tiny_family_paths):
+    from transformers import AutoConfig
+
+    from pipeline.config import compose
+    from pipeline.drafters.build import make_spec
+
+    path = tiny_family_paths["gemma4"]
+    verifier_config = AutoConfig.from_pretrained(path)
+    spec = make_spec(compose(["drafter=peagle"]).drafter, verifier_config, "tiny-gemma4", path, 0)
+    layer = spec.transformer_layer_config
+    # one plain rope at the global layers' theta (Gemma keeps one per layer type), and silu (vLLM's Llama MLP)
+    assert layer["model_type"] == "llama" and layer["hidden_act"] == "silu"
+    assert layer["rope_parameters"] == {"rope_type": "default",
+                                        "rope_theta": verifier_config.rope_parameters["full_attention"]["rope_theta"]}
+    assert spec.verifier_logit_softcap == 30.0 and spec.verifier_architecture == "Gemma4ForCausalLM"
+    dflash = make_spec(compose(["drafter=dflash"]).drafter, verifier_config, "tiny-gemma4", path, 0)
+    assert dflash.transformer_layer_config["model_type"] == "qwen3"
 
 
 def test_a_soft_capped_verifiers_targets_are_capped_as_its_logits_are():
@@ -154,3 +176,36 @@ def test_the_vllm_capture_final_norm_is_the_verifiers_own_for_gemma3s_offset_wei
     rows = torch.randn(3, 32)
     expected = model.model.norm(rows)
     assert torch.allclose(rms_norm(rows, *_final_norm(tmp_path)), expected, atol=1e-5)
+
+
+def _random_verifier(config, folder):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "dflash", "dspark"])
+def test_a_sliding_window_verifier_decodes_losslessly_in_a_batch_past_its_window(tmp_path, algorithm):
+    """Gemma-4 alternates sliding-window and full-attention layers: prompts longer than the window, decoded in one
+    batch with rejected drafts, give exactly verifier.generate's output (a batch's masked cache slots inside the
+    window once shifted what the window saw)."""
+    from transformers import Gemma4TextConfig
+
+    from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
+    from tests.unit.test_reference_decoder import drafter_for
+
+    config = Gemma4TextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              global_head_dim=32, hidden_size_per_layer_input=8, sliding_window=8,
+                              final_logit_softcapping=30.0, initializer_range=0.2, pad_token_id=0,
+                              architectures=["Gemma4ForCausalLM"])
+    verifier = _random_verifier(config, tmp_path)
+    drafter = drafter_for(str(tmp_path), verifier, type("T", (), {"unk_token_id": 3, "pad_token_id": 0,
+                                                                  "eos_token_id": 1})(), 4, algorithm=algorithm)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 512, (n,), generator=generator).tolist() for n in (30, 11, 19)]
+    outputs = SpeculativeDecoder(verifier, drafter, 4).generate_batch(prompts, 24, (1,))
+    for prompt, (tokens, _) in zip(prompts, outputs):
+        assert tokens == verifier_greedy(verifier, prompt, 24, (1,))

