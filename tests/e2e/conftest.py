@@ -32,3 +32,20 @@ def default_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("default")
     run_pipeline(root, timeout=2700)
     return root
+
+
+def worst_capture_error(store: Path, hf) -> float:
+    """Largest relative error (norm of the difference / norm) between the hidden states a store holds and what
+    transformers (`hf`, an HFVerifier) captures for the same samples, over every stored layer."""
+    from pipeline.data.store import iter_samples, verify_store
+
+    manifest = verify_store(store)
+    layers, worst = manifest["layer_ids"], 0.0
+    for sample in iter_samples(store, manifest, layers[:-1], layers[-1]):
+        expected = hf.capture([sample["input_ids"].tolist()], layers)[0]
+        stored = {**dict(zip(layers[:-1], sample["aux"].float().split(manifest["hidden_size"], dim=-1))),
+                  layers[-1]: sample["last"].float()}
+        for layer_id in layers:
+            error = (stored[layer_id] - expected[layer_id]).norm() / expected[layer_id].norm()
+            worst = max(worst, float(error))
+    return worst

@@ -14,8 +14,8 @@ import datasets
 import pytest
 
 from pipeline.config import compose
-from pipeline.data.store import iter_samples, verify_store
 from pipeline.paths import StagePaths
+from tests.e2e.conftest import worst_capture_error
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATE = ["experiment=smoke", "data.num_train=4", "data.num_eval=1", "generation.max_new_tokens=24"]
@@ -68,18 +68,7 @@ def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
 def test_vllm_and_hf_capture_the_same_hidden_states_within_bf16(vllm_capture, smollm2_path):
     from pipeline.generation.hf_backend import HFVerifier
 
-    vllm = vllm_capture
-    manifest = verify_store(vllm.store)
-    hf = HFVerifier(smollm2_path, "float32", threads=2)
-    layers = manifest["layer_ids"]
-    worst = 0.0
-    for sample in iter_samples(vllm.store, manifest, layers[:-1], layers[-1]):
-        expected = hf.capture([sample["input_ids"].tolist()], layers)[0]
-        stored = {**dict(zip(layers[:-1], sample["aux"].float().split(manifest["hidden_size"], dim=-1))),
-                  layers[-1]: sample["last"].float()}
-        for layer_id in layers:
-            error = (stored[layer_id] - expected[layer_id]).norm() / expected[layer_id].norm()
-            worst = max(worst, float(error))
+    worst = worst_capture_error(vllm_capture.store, HFVerifier(smollm2_path, "float32", threads=2))
     # bf16 keeps 8 significant bits: rounding alone leaves a relative error of about 2e-3
     assert worst < 1e-2, worst
     print(json.dumps({"worst_relative_error": worst}))
