@@ -136,5 +136,5 @@ def test_the_gemma_template_for_a_base_model_is_prefix_stable_with_one_bos(tiny_
     ids, mask = tokenize_conversation(tokenizer, chat[:3])
     assert ids.count(tokenizer.bos_token_id) == 1
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Hello.<end_of_turn>\n"
-    with pytest.raises(PipelineError, match=r"verifier.chat_template: no template 'nope' \(known: \['gemma'\]\)"):
+    with pytest.raises(PipelineError, match=r"verifier.chat_template: no template 'nope' \(known: \['gemma', 'qwen3'\]\)"):
         chat_template_text("nope")
