@@ -25,7 +25,9 @@ states come from its own forward).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import PipelineError
@@ -61,6 +63,14 @@ def family_of(model_type: str) -> VerifierFamily:
         raise PipelineError(f"verifier.path: model_type '{model_type}' is not a supported verifier family "
                             f"(known: {sorted(FAMILIES)})")
     return FAMILIES[model_type]
+
+
+def check_verifier_family(verifier_path: str) -> None:
+    """Before any stage: a local verifier folder whose family is not supported is refused in a second, not after
+    hours of regeneration (a hub id is checked when a stage first reads its config). Raises PipelineError."""
+    config_file = Path(verifier_path) / "config.json"
+    if config_file.is_file():
+        family_of(json.loads(config_file.read_text()).get("model_type", ""))
 
 
 def logit_softcap(config: Any) -> Optional[float]:

@@ -142,9 +142,11 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     also when a stage fails. Returns each stage's result by name (and the parent run's id); raises PipelineError
     for bad input, and whatever a stage raises."""
     from pipeline.drafters.build import check_configured_aux_layers
+    from pipeline.families import check_verifier_family
 
     validate(cfg)
     ctx = Context.create(cfg)
+    check_verifier_family(ctx.verifier_path)
     check_configured_aux_layers(cfg.drafter, ctx.verifier_path)
     results: dict[str, Any] = {}
     times = StageTimes()

@@ -112,6 +112,8 @@ def validate(cfg: DictConfig) -> None:
         _require(value in KNOWN_DTYPES, f"verifier.{key}: '{value}' is not one of {KNOWN_DTYPES}")
     _require(not cfg.verifier.get("tiny") or cfg.verifier.tiny in TINY_FAMILIES,
              f"verifier.tiny: '{cfg.verifier.get('tiny')}' is not one of {TINY_FAMILIES}")
+    _require(not cfg.verifier.get("tiny") or not (cfg.verifier.path or cfg.verifier.gguf_package),
+             "verifier.tiny: builds its own verifier; leave verifier.path and verifier.gguf_package unset")
     for stage in cfg.stages:
         _require(stage in KNOWN_STAGES, f"stages: unknown stage '{stage}'; known: {KNOWN_STAGES}")
 

