@@ -58,9 +58,9 @@ class StagePaths:
         verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
         verifier.update(chat_additions(cfg.verifier))  # only when set: SmolLM2's keys stay as they were
         if cfg.verifier.get("tiny"):  # likewise: a tiny family verifier is named by its family and build
-            from pipeline.generation.tiny_verifier import BUILD_VERSION
+            from pipeline.generation.tiny_verifier import build_name
 
-            verifier["tiny"] = f"{cfg.verifier.tiny}-v{BUILD_VERSION}"
+            verifier["tiny"] = build_name(cfg.verifier.tiny)
         self.verifier_identity = verifier
         # split-v2: the held-out prompts are taken before the train prompts (a folder of the old split is not reused).
         # Prompts the verifier writes itself depend on the verifier too.

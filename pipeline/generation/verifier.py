@@ -15,7 +15,7 @@ import json
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 import torch
 from filelock import FileLock
@@ -94,29 +94,31 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
         raise PipelineError("verifier.gguf_file: required with verifier.gguf_package")
     gguf_path = packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
     target = Path(verifier_cfg.cache_dir).expanduser() / converted_folder_name(verifier_cfg)
-    if _is_plain_hf_folder(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Two jobs on one machine (two users' runs, a job beside a test run) convert once: the second waits for the
-    # first, then finds the folder done, instead of replacing it while the first job loads it.
-    with FileLock(f"{target}.lock"):
-        if _is_plain_hf_folder(target):
-            return target
+
+    def convert(staging: Path) -> None:
         log.info("converting %s to an HF folder at %s (once)", gguf_path.name, target)
-        with atomic_folder(target) as staging:
-            _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype], verifier_cfg)
-    return target
+        _save_gguf_as_hf(gguf_path, staging, DTYPES[verifier_cfg.save_dtype], verifier_cfg)
+    return _built_once(target, convert)
 
 
 def _built_tiny_verifier(verifier_cfg: Any) -> Path:
-    from pipeline.generation.tiny_verifier import BUILD_VERSION, save_tiny_verifier
+    from pipeline.generation.tiny_verifier import build_name, save_tiny_verifier
 
-    target = Path(verifier_cfg.cache_dir).expanduser() / f"tiny-{verifier_cfg.tiny}-v{BUILD_VERSION}"
+    target = Path(verifier_cfg.cache_dir).expanduser() / build_name(str(verifier_cfg.tiny))
+    return _built_once(target, lambda staging: save_tiny_verifier(str(verifier_cfg.tiny), staging))
+
+
+def _built_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """`target`, written by `write(staging folder)` unless a finished one is there. Two jobs on one machine (two
+    users' runs, a job beside a test run) build it once: the second waits for the first, then finds the folder done,
+    instead of replacing it while the first job loads it."""
+    if _is_plain_hf_folder(target):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{target}.lock"):  # built once, as a GGUF is converted once
-        if not (target / "config.json").is_file():
+    with FileLock(f"{target}.lock"):
+        if not _is_plain_hf_folder(target):
             with atomic_folder(target) as staging:
-                save_tiny_verifier(str(verifier_cfg.tiny), staging)
+                write(staging)
     return target
 
 
