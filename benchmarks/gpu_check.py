@@ -67,11 +67,12 @@ def drafter_config(name: str):
 
 
 def build(name: str, verifier_path: Path, device):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
+    from pipeline.families import load_verifier_config
 
-    spec = make_spec(drafter_config(name), AutoConfig.from_pretrained(verifier_path), "random-smollm2",
+    spec = make_spec(drafter_config(name), load_verifier_config(verifier_path), "random-smollm2",
                      str(verifier_path), default_mask_token_id(AutoTokenizer.from_pretrained(verifier_path)))
     torch.manual_seed(0)
     return build_drafter(spec).to(device)

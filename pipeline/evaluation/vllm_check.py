@@ -19,7 +19,7 @@ from typing import Optional
 from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.evaluation import gate
-from pipeline.families import vllm_unsupported_reason
+from pipeline.families import load_verifier_config, vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,9 @@ def load_result(folder: Path) -> dict:
 
 def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> dict:
     import torch
-    from transformers import AutoConfig
 
     folder = ctx.paths.evaluation
-    model_type = AutoConfig.from_pretrained(ctx.verifier_path).model_type
+    model_type = load_verifier_config(ctx.verifier_path).model_type
     reason = skip_reason(str(ctx.cfg.evaluation.vllm.enabled).lower(), report["drafter"], torch.cuda.is_available(),
                          model_type)
     if reason:

@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
+    from pipeline.families import vllm_engine_options
     from pipeline.generation.vllm_backend import in_process_engine_on_cpu, use_all_cores_on_a_small_cpu
 
     prompts = json.loads(Path(args.prompts).read_text())
@@ -128,6 +129,7 @@ def main() -> None:
     # One engine: in-process on CPU. Two (--baseline): each in its own process, so the first one's KV cache is
     # freed with its process before the second one reserves its own.
     engine_options = {} if args.baseline else in_process_engine_on_cpu()
+    engine_options.update(vllm_engine_options(args.verifier))
     speculative = (ngram_config(args.k, *args.ngram) if args.ngram else speculative_config(args.drafter, args.k))
     result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args, engine_options)}
     if args.baseline:

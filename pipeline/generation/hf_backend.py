@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.families import text_decoder
 from pipeline.generation.verifier import DTYPES, cut_after_stop, load_verifier, num_layers, stop_token_ids
 
 
@@ -37,7 +38,7 @@ class HFVerifier:
 
     def _layer_outputs(self, layer_ids: list[int]) -> tuple[dict[int, torch.nn.Module], int]:
         """Module whose output is hidden state i (HF convention: i = after i layers; the last is after the norm)."""
-        base = self.model.model
+        base = text_decoder(self.model)
         count = num_layers(self.model)
         modules = {}
         for layer_id in layer_ids:
@@ -53,7 +54,7 @@ class HFVerifier:
         """The plain verifier forward (right-padded batch) without capture: the benchmark's baseline."""
         ids, attention = self._right_padded(batch)
         with torch.no_grad():
-            return self.model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+            return text_decoder(self.model)(input_ids=ids, attention_mask=attention).last_hidden_state
 
     def capture(self, batch: list[list[int]], layer_ids: list[int]) -> list[dict[int, torch.Tensor]]:
         """Per sample {layer_id: [T, H] float32} for the requested layers, from one padded forward."""

@@ -25,6 +25,7 @@ from pipeline.data.store import (
     load_manifest, projected_store_bytes, remove_stale_temporaries, scan_shards, write_manifest,
 )
 from pipeline.errors import PipelineError, remote_cause
+from pipeline.families import load_verifier_config
 from pipeline.fsutil import atomic_folder
 from pipeline.generation.batching import pack_by_token_budget
 from pipeline.generation.parts import read_parts, remove_stale_parts
@@ -79,10 +80,10 @@ def _vllm_options(gen_cfg: Any, capture: bool = False) -> dict:
 
 
 def _load_tokenizer(ctx: Context):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ctx.verifier_path)
-    vocab_size = int(AutoConfig.from_pretrained(ctx.verifier_path).vocab_size)
+    vocab_size = int(load_verifier_config(ctx.verifier_path).vocab_size)
     if len(tokenizer) > vocab_size:
         raise PipelineError(f"verifier.path: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                             f"has {vocab_size}: the tokenizer does not belong to this verifier")
@@ -231,9 +232,7 @@ def run_regenerate(ctx: Context, train_prompts: datasets.Dataset) -> datasets.Da
 
 
 def _verifier_config(ctx: Context):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(ctx.verifier_path)
+    return load_verifier_config(ctx.verifier_path)
 
 
 def capture_layer_ids(ctx: Context, num_verifier_layers: int) -> list[int]:

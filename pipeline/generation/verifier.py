@@ -289,5 +289,6 @@ def cut_after_stop(ids: Iterable[int], stop_ids: Collection[int]) -> list[int]:
 
 
 def num_layers(model_or_config) -> int:
+    """Decoder layers of a verifier (its text model's, for a multimodal one), from the model or its config."""
     config = getattr(model_or_config, "config", model_or_config)
-    return int(config.num_hidden_layers)
+    return int(config.get_text_config(decoder=True).num_hidden_layers)

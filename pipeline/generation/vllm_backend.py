@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.families import family_of
+from pipeline.families import family_of, text_config_dict, text_weights_prefix, vllm_engine_options
 from pipeline.generation.verifier import cut_after_stop, verifier_stop_token_ids
 
 
@@ -34,13 +34,15 @@ def _final_norm(folder: Path) -> tuple[torch.Tensor, float]:
     """(scale, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model: the stored
     weight plus its family's offset (Gemma-3 scales by 1 + weight, pipeline/families.py)."""
     config = json.loads((folder / "config.json").read_text())
-    offset = family_of(config["model_type"]).final_norm_offset
+    text = text_config_dict(config)
+    offset = family_of(text["model_type"]).final_norm_offset
+    name = text_weights_prefix(config) + "norm.weight"
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            if "model.norm.weight" in handle.keys():
-                scale = handle.get_tensor("model.norm.weight").float() + offset
-                return scale, float(config.get("rms_norm_eps", 1e-6))
-    raise FileNotFoundError(f"no model.norm.weight in the safetensors of {folder}")
+            if name in handle.keys():
+                scale = handle.get_tensor(name).float() + offset
+                return scale, float(text.get("rms_norm_eps", 1e-6))
+    raise FileNotFoundError(f"no {name} in the safetensors of {folder}")
 
 
 def rms_norm(rows: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,7 +99,8 @@ class VllmVerifier:
 
         self.path, self.dtype = verifier_path, compute_dtype
         self.engine_options = {"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
-                               "dtype": compute_dtype, "seed": 0, "enforce_eager": True, **(engine_options or {})}
+                               "dtype": compute_dtype, "seed": 0, "enforce_eager": True,
+                               **vllm_engine_options(verifier_path), **(engine_options or {})}
         if kv_cache_gb:
             self.engine_options["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)
         use_all_cores_on_a_small_cpu()
@@ -145,7 +148,8 @@ class VllmVerifier:
             )
             folder = _local_folder(self.path)
             self._norm = _final_norm(folder)
-            self._num_layers = int(json.loads((folder / "config.json").read_text())["num_hidden_layers"])
+            config = json.loads((folder / "config.json").read_text())
+            self._num_layers = int(text_config_dict(config)["num_hidden_layers"])
         if list(layer_ids) != self._capture_layers:
             raise ValueError(f"this engine captures layers {self._capture_layers}, not {layer_ids}")
         return self._capturer

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import PipelineError
+from pipeline.families import vllm_engine_options
 from pipeline.evaluation.vllm_runner import speculative_config
 from pipeline.serving.registry import ResolvedSpeculator, resolve
 
@@ -29,6 +30,7 @@ def llm_config(serving: Any, served_name: str, verifier_path: str) -> dict:
                               "gpu_memory_utilization": serving.memory_fraction}
     if serving.accelerator == "cpu":
         engine["enforce_eager"] = True
+    engine.update(vllm_engine_options(verifier_path))
     engine.update(dict(serving.engine_kwargs))
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": served_name, "model_source": verifier_path},

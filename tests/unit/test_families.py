@@ -87,16 +87,17 @@ def test_the_qwen3_template_masks_earlier_reasoning_against_the_final_rendering(
 @pytest.mark.parametrize("family, architecture, stops", [
     ("qwen3", "Qwen3ForCausalLM", (151645, 151643)),  # <|im_end|>, <|endoftext|>
     ("qwen3_moe", "Qwen3MoeForCausalLM", (151645, 151643)),
-    ("gemma4", "Gemma4ForCausalLM", (1, 106)),  # <eos>, <end_of_turn>
+    ("gemma4", "Gemma4ForConditionalGeneration", (1, 106)),  # <eos>, <end_of_turn>; multimodal as gemma-4-31B-it
 ])
 def test_a_tiny_family_verifier_is_built_once_with_the_familys_tokenizer_and_stop_ids(tiny_family_paths, family,
                                                                                        architecture, stops):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline.families import load_verifier_config
     from pipeline.generation.verifier import resolve_verifier_path, verifier_stop_token_ids
 
     path = tiny_family_paths[family]
-    config = AutoConfig.from_pretrained(path)
+    config = load_verifier_config(path)  # the text model's config, with the checkpoint's architectures
     assert config.architectures == [architecture] and config.model_type == family.replace("gemma4", "gemma4_text")
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert verifier_stop_token_ids(path, tokenizer) == stops
@@ -112,14 +113,13 @@ def test_a_tiny_family_verifier_is_built_once_with_the_familys_tokenizer_and_sto
 
 def test_a_moe_verifiers_drafter_gets_a_dense_qwen3_layer_and_the_export_names_the_verifier(tiny_family_paths,
                                                                                             tmp_path):
-    from transformers import AutoConfig
-
+    from pipeline.config import compose
     from pipeline.drafters.build import build_drafter, make_spec
     from pipeline.export.speculators_format import export_speculators
-    from pipeline.config import compose
+    from pipeline.families import load_verifier_config
 
     path = tiny_family_paths["qwen3_moe"]
-    verifier_config = AutoConfig.from_pretrained(path)
+    verifier_config = load_verifier_config(path)
     spec = make_spec(compose(["drafter=eagle3"]).drafter, verifier_config, "tiny-qwen3-moe", path, 151643)
     layer = spec.transformer_layer_config
     assert layer["model_type"] == "qwen3" and layer["intermediate_size"] == verifier_config.intermediate_size
@@ -131,20 +131,19 @@ def test_a_moe_verifiers_drafter_gets_a_dense_qwen3_layer_and_the_export_names_t
 
 
 def test_a_gemma4_verifiers_drafter_gets_a_llama_layer_vllm_builds(tiny_family_paths):
-    from transformers import AutoConfig
-
     from pipeline.config import compose
     from pipeline.drafters.build import make_spec
+    from pipeline.families import load_verifier_config
 
     path = tiny_family_paths["gemma4"]
-    verifier_config = AutoConfig.from_pretrained(path)
+    verifier_config = load_verifier_config(path)
     spec = make_spec(compose(["drafter=peagle"]).drafter, verifier_config, "tiny-gemma4", path, 0)
     layer = spec.transformer_layer_config
     # one plain rope at the global layers' theta (Gemma keeps one per layer type), and silu (vLLM's Llama MLP)
     assert layer["model_type"] == "llama" and layer["hidden_act"] == "silu"
     assert layer["rope_parameters"] == {"rope_type": "default",
                                         "rope_theta": verifier_config.rope_parameters["full_attention"]["rope_theta"]}
-    assert spec.verifier_logit_softcap == 30.0 and spec.verifier_architecture == "Gemma4ForCausalLM"
+    assert spec.verifier_logit_softcap == 30.0 and spec.verifier_architecture == "Gemma4ForConditionalGeneration"
     dflash = make_spec(compose(["drafter=dflash"]).drafter, verifier_config, "tiny-gemma4", path, 0)
     assert dflash.transformer_layer_config["model_type"] == "qwen3"
 
@@ -214,8 +213,13 @@ def test_a_sliding_window_verifier_decodes_a_batch_past_its_window_losslessly(tm
 def test_a_verifier_folder_of_an_unsupported_family_is_refused_before_any_stage(tmp_path):
     from pipeline.families import check_verifier_family
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4"}))  # gemma-4-31B-it: multimodal
-    with pytest.raises(PipelineError, match="model_type 'gemma4' is not a supported verifier family"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(PipelineError, match="model_type 'mamba' is not a supported verifier family"):
+        check_verifier_family(str(tmp_path))
+    # a multimodal checkpoint is a verifier of its text model's family: Qwen3-VL's text model is none of ours
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl",
+                                                      "text_config": {"model_type": "qwen3_vl_text"}}))
+    with pytest.raises(PipelineError, match="model_type 'qwen3_vl_text' is not a supported verifier family"):
         check_verifier_family(str(tmp_path))
     check_verifier_family("google/gemma-4-31B-it")  # a hub id: checked when a stage reads its config
 
@@ -225,3 +229,33 @@ def test_a_tiny_verifier_beside_a_path_is_refused_by_name():
 
     with pytest.raises(PipelineError, match="verifier.tiny: builds its own verifier"):
         validate(compose(["verifier=tiny_qwen3", "verifier.path=/tmp"]))
+
+
+def test_a_multimodal_verifier_is_read_as_its_nested_text_model(tiny_family_paths, tmp_path):
+    """gemma-4-31B-it's layout (Gemma4ForConditionalGeneration: text config under text_config, text weights under
+    model.language_model., a vision tower beside): capture, the verifier head, vLLM capture's final norm and the
+    vLLM engine all read the text model."""
+    from pipeline.drafters.build import verifier_head_tensors
+    from pipeline.families import is_multimodal, text_decoder, vllm_engine_options
+    from pipeline.generation.hf_backend import HFVerifier
+    from pipeline.generation.vllm_backend import _final_norm, rms_norm
+
+    path = tiny_family_paths["gemma4"]
+    assert is_multimodal(json.loads((Path(path) / "config.json").read_text()))
+    hf = HFVerifier(path, "float32", threads=2)
+    ids = hf.tokenizer("The capital of France is")["input_ids"]
+    captured = hf.capture([ids], [0, 3, 6])[0]
+    states = hf.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for layer_id in (0, 3, 6):
+        assert torch.allclose(captured[layer_id], states[layer_id][0], atol=1e-4), layer_id
+    embed, head = verifier_head_tensors(path)
+    assert torch.equal(embed, hf.model.get_input_embeddings().weight)
+    assert torch.equal(head, hf.model.get_output_embeddings().weight)
+    rows = torch.randn(3, embed.shape[1])
+    assert torch.allclose(rms_norm(rows, *_final_norm(Path(path))), text_decoder(hf.model).norm(rows), atol=1e-5)
+    # vLLM serves it as its text-only Gemma4ForCausalLM (which maps model.language_model.); text-only verifiers
+    # need nothing; a multimodal family without a text-only class loads its language model only
+    assert vllm_engine_options(path) == {"hf_overrides": {"architectures": ["Gemma4ForCausalLM"]}}
+    assert vllm_engine_options(tiny_family_paths["qwen3"]) == {}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "wrapper", "text_config": {"model_type": "qwen3"}}))
+    assert vllm_engine_options(str(tmp_path)) == {"language_model_only": True}
