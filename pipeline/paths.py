@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.config.schema import DeepSpeedConfig, DrafterConfig, EvaluationConfig, TrainingConfig
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
 
 
@@ -21,6 +24,19 @@ def _plain(value: Any) -> Any:
 def content_key(*parts: Any) -> str:
     text = json.dumps([_plain(p) for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def result_settings(values: Any, schema: type) -> dict:
+    """values (a config group) without the settings its schema marks as not changing results (schema.NOT_A_RESULT),
+    at every level of nested schema dataclasses; keys the schema does not declare (a plain dict's) are kept."""
+    plain = _plain(values)
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        if not spec.metadata.get("changes_results", True):
+            plain.pop(spec.name, None)
+        elif dataclasses.is_dataclass(hints[spec.name]) and isinstance(plain.get(spec.name), dict):
+            plain[spec.name] = result_settings(plain[spec.name], hints[spec.name])
+    return plain
 
 
 def _used_data_settings(data_cfg: Any) -> dict:
@@ -37,17 +53,6 @@ def chat_additions(verifier_cfg: Any) -> dict:
     additions = {"chat_template": verifier_cfg.chat_template,
                  "end_of_turn_tokens": list(verifier_cfg.end_of_turn_tokens)}
     return {key: value for key, value in additions.items() if value}
-
-
-# Drafter options added after runs existed: at these defaults they stay out of the train key, so runs from before
-# them resume instead of training again.
-LATER_DRAFTER_DEFAULTS = {"distill_target": "distribution", "position_weighting": "decay", "dpace_alpha": 0.5}
-
-
-def drafter_identity(drafter_cfg: Any) -> dict:
-    """The drafter settings a train key hashes: all of them but later options left at their defaults."""
-    return {k: v for k, v in _plain(drafter_cfg).items()
-            if k not in LATER_DRAFTER_DEFAULTS or v != LATER_DRAFTER_DEFAULTS[k]}
 
 
 class StagePaths:
@@ -74,11 +79,13 @@ class StagePaths:
         # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
         # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
         self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, gen.compression)
-        self.train_key = content_key(self.store_key, drafter_identity(cfg.drafter), cfg.training, cfg.deepspeed,
-                                     cfg.seed)
+        # Logging, retries and labels stay out (schema.NOT_A_RESULT): changing them resumes the same run.
+        self.train_key = content_key(self.store_key, result_settings(cfg.drafter, DrafterConfig),
+                                     result_settings(cfg.training, TrainingConfig),
+                                     result_settings(cfg.deepspeed, DeepSpeedConfig))
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
         # gate's thresholds decide on a report without changing it, so they stay out of the key.
-        measured = {k: v for k, v in _plain(cfg.evaluation).items() if k != "gate"}
+        measured = {k: v for k, v in result_settings(cfg.evaluation, EvaluationConfig).items() if k != "gate"}
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
         measured["sets"] = {name: measured["sets"][name] for name in cfg.evaluation.datasets
                             if name in measured["sets"]}

@@ -14,6 +14,16 @@ from omegaconf import MISSING
 
 from pipeline.data.synthesize import DEFAULT_SYSTEM_PROMPTS
 
+# Schema metadata of a setting that never changes what its stage produces (logging, retries, read-ahead, a group's
+# label): the train and evaluation content keys leave it out (pipeline/paths.py: result_settings), so changing it
+# resumes or reuses the same run instead of training again. Every other setting counts as changing results.
+NOT_A_RESULT = {"changes_results": False}
+
+
+def run_setting(default: Any = MISSING) -> Any:
+    """A dataclass field whose value changes how a run goes, never what it produces (see NOT_A_RESULT)."""
+    return field(default=default, metadata=NOT_A_RESULT)
+
 
 @dataclass
 class PathsConfig:
@@ -171,7 +181,7 @@ class DrafterConfig:
 
 @dataclass
 class TrainingConfig:
-    name: str = MISSING
+    name: str = run_setting()
     num_workers: int = 2
     max_steps: int = 200
     # Sequences per worker per micro-step; with a token budget, packed micro-batches per worker per micro-step.
@@ -181,7 +191,7 @@ class TrainingConfig:
     # keeps it.
     max_tokens_per_micro_batch: int = 0
     # Micro-batches each worker's Ray Data stream reads ahead of the training step.
-    prefetch_micro_batches: int = 2
+    prefetch_micro_batches: int = run_setting(2)
     grad_accum_steps: int = 1
     # adamw: AdamW on every trainable tensor. muon: Muon (momentum orthogonalised by Newton-Schulz, Jordan et al.
     # 2024) on the weight matrices and AdamW (lr, weight_decay) on the rest, the split speculators' recipe uses; under
@@ -202,13 +212,13 @@ class TrainingConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 100
     # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = run_setting(2)  # with validation the best ones are kept: the final pick is the same
     # Worker failures (a lost process or node) survived by restarting from the latest checkpoint.
-    max_failures: int = 2
+    max_failures: int = run_setting(2)
     # Continue from this checkpoint folder (same drafter and verifier; any number of workers dividing its global
     # batch). A rerun of the same config resumes its own latest checkpoint without this.
     resume_from: Optional[str] = None
-    log_every: int = 10
+    log_every: int = run_setting(10)
     seed: int = 0
     torch_threads_per_worker: int = 1
     # Store samples held out of training; when > 0 every checkpoint is validated on them (val.loss, val.proxy_tau)
@@ -229,7 +239,7 @@ class TrainingConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    name: str = MISSING
+    name: str = run_setting()
     enabled: bool = True
     zero_stage: int = 2
     bf16: bool = False
@@ -287,7 +297,7 @@ class VllmEvalConfig:
     # within this many rounding steps of verifier.compute_dtype (at the winning logit's magnitude) is numerics;
     # any other divergence is a fault and the gate refuses (pipeline/evaluation/divergence.py).
     near_tie_steps: float = 4.0
-    timeout_s: int = 1800
+    timeout_s: int = run_setting(1800)
     max_model_len: int = 2048
     # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache.
     memory_fraction: float = 0.3
@@ -305,7 +315,7 @@ class GateConfig:
 
 @dataclass
 class EvaluationConfig:
-    name: str = MISSING
+    name: str = run_setting()
     num_speculative_tokens: int = 4
     max_new_tokens: int = 64
     # 0 = greedy verification; > 0 = exact rejection sampling at this temperature, seeded by `seed`.
@@ -454,7 +464,6 @@ class PipelineConfig:
     serving: ServingConfig = field(default_factory=ServingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: str = "default"
-    seed: int = 0
     # Stages pipeline.py runs, in order.
     stages: list[str] = field(
         default_factory=lambda: ["prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval",

@@ -129,7 +129,8 @@ def verifier_head_tensors(verifier_path: str) -> tuple[torch.Tensor, torch.Tenso
     files = sorted(Path(verifier_path).glob("*.safetensors"))
     if not files:
         raise PipelineError(f"verifier.path: no safetensors weights in '{verifier_path}'")
-    config = json.loads((Path(verifier_path) / "config.json").read_text())
+    config_file = Path(verifier_path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}  # none: a causal LM's names
     embed_name = text_weights_prefix(config) + "embed_tokens.weight"
     wanted = {embed_name: "embed", "lm_head.weight": "lm_head"}
     for file in files:

@@ -137,14 +137,47 @@ def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(override
         validate(compose(overrides))
 
 
-def test_later_drafter_options_at_their_defaults_keep_the_train_key_of_runs_made_before_them():
-    from omegaconf import OmegaConf
+# Every setting the schema marks as not changing results (schema.NOT_A_RESULT), with another value.
+RUN_SETTINGS = ["training.log_every=3", "training.max_failures=5", "training.keep_checkpoints=4",
+                "training.prefetch_micro_batches=1", "training.name=renamed", "deepspeed.name=renamed",
+                "evaluation.name=renamed", "evaluation.vllm.timeout_s=60"]
 
-    from pipeline.paths import LATER_DRAFTER_DEFAULTS, StagePaths, content_key
 
-    cfg = compose(["drafter=dflash", "drafter.distill_target=distribution", "drafter.position_weighting=decay"])
-    paths = StagePaths(cfg)
-    before = {k: v for k, v in OmegaConf.to_container(cfg.drafter).items() if k not in LATER_DRAFTER_DEFAULTS}
-    assert paths.train_key == content_key(paths.store_key, before, cfg.training, cfg.deepspeed, cfg.seed)
-    chosen = StagePaths(compose(["drafter=dflash"]))
-    assert chosen.train_key != paths.train_key and chosen.store_key == paths.store_key
+@pytest.mark.parametrize("override", RUN_SETTINGS)
+def test_a_setting_that_changes_no_result_keeps_the_run_so_training_resumes_it(override):
+    """Changing how a run logs, retries or reads ahead keeps its train folder (where Ray Train resumes from the
+    latest checkpoint) and its evaluation, instead of training again from step 0."""
+    from pipeline.paths import StagePaths
+
+    base, changed = StagePaths(compose([])), StagePaths(compose([override]))
+    assert changed.train == base.train and changed.evaluation == base.evaluation
+
+
+def test_the_run_settings_above_are_every_one_the_schema_marks():
+    from dataclasses import fields
+
+    from pipeline.config.schema import (
+        NOT_A_RESULT, DeepSpeedConfig, DrafterConfig, EvaluationConfig, TrainingConfig, VllmEvalConfig,
+    )
+
+    groups = (("training", TrainingConfig), ("deepspeed", DeepSpeedConfig), ("drafter", DrafterConfig),
+              ("evaluation", EvaluationConfig), ("evaluation.vllm", VllmEvalConfig))
+    marked = {f"{group}.{spec.name}" for group, schema in groups for spec in fields(schema)
+              if spec.metadata == NOT_A_RESULT}
+    assert marked == {override.split("=")[0] for override in RUN_SETTINGS}
+
+
+@pytest.mark.parametrize("override", ["training.lr=0.01", "training.log_every=3 training.max_steps=7",
+                                      "drafter.distill_target=argmax", "deepspeed.zero_stage=1",
+                                      "training.checkpoint_every=7"])
+def test_a_setting_that_changes_results_trains_a_new_run(override):
+    from pipeline.paths import StagePaths
+
+    base, changed = StagePaths(compose([])), StagePaths(compose(override.split()))
+    assert changed.train != base.train and changed.store == base.store
+
+
+def test_the_dead_top_level_seed_is_refused_by_name():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as error:
+        compose(["seed=1"])
+    assert "seed" in str(error.value) + str(error.value.__cause__)
