@@ -553,6 +553,7 @@ def main() -> None:
             outcome = compare_drafter(root, work, algorithm, args)
         except Exception as error:  # noqa: BLE001 - one drafter's failure is a result, not the end of the run
             outcome = {"error": one_line(error)}
+        outcome["machine"] = result["machine"]  # rows of one file may come from runs on different machines
         record(result, algorithm, outcome)
         print(f"[versus] {algorithm}: {json.dumps(result['drafters'][algorithm].get('ours_over_theirs'))}",
               file=sys.stderr, flush=True)
