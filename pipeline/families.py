@@ -127,7 +127,7 @@ def vllm_engine_options(verifier_path: str) -> dict[str, Any]:
     """vLLM engine arguments a verifier needs: a multimodal one runs as its text model only (no vision tower in
     memory, no image processor, no image profiling), through its family's text-only class where vLLM has one.
     Returns {} for a text-only verifier."""
-    config = _config_dict(verifier_path)
+    config = verifier_config_dict(verifier_path)
     if not is_multimodal(config):
         return {}
     text_architecture = family_of(text_config_dict(config).get("model_type", "")).vllm_text_architecture
@@ -136,7 +136,7 @@ def vllm_engine_options(verifier_path: str) -> dict[str, Any]:
     return {"language_model_only": True}
 
 
-def _config_dict(verifier_path: str) -> dict[str, Any]:
+def verifier_config_dict(verifier_path: str) -> dict[str, Any]:
     """config.json of a verifier folder, or for a hub id the config transformers resolves; {} when neither can be
     read (vLLM then reports the missing model itself, in its own words)."""
     config_file = Path(verifier_path) / "config.json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,7 +10,9 @@ from safetensors import safe_open
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
-from pipeline.families import family_of, load_verifier_config, logit_softcap, text_weights_prefix
+from pipeline.families import (
+    family_of, load_verifier_config, logit_softcap, text_weights_prefix, verifier_config_dict,
+)
 
 
 def default_aux_layer_ids(algorithm: str, num_verifier_layers: int) -> list[int]:
@@ -129,9 +130,7 @@ def verifier_head_tensors(verifier_path: str) -> tuple[torch.Tensor, torch.Tenso
     files = sorted(Path(verifier_path).glob("*.safetensors"))
     if not files:
         raise PipelineError(f"verifier.path: no safetensors weights in '{verifier_path}'")
-    config_file = Path(verifier_path) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}  # none: a causal LM's names
-    embed_name = text_weights_prefix(config) + "embed_tokens.weight"
+    embed_name = text_weights_prefix(verifier_config_dict(verifier_path)) + "embed_tokens.weight"
     wanted = {embed_name: "embed", "lm_head.weight": "lm_head"}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:

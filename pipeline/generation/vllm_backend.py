@@ -8,7 +8,6 @@ The engines are built lazily: an actor that only generates never builds the capt
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -17,7 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.families import family_of, text_config_dict, text_weights_prefix, vllm_engine_options
+from pipeline.families import (
+    family_of, text_config_dict, text_weights_prefix, verifier_config_dict, vllm_engine_options,
+)
 from pipeline.generation.verifier import cut_after_stop, verifier_stop_token_ids
 
 
@@ -33,7 +34,7 @@ def _local_folder(verifier_path: str) -> Path:
 def _final_norm(folder: Path) -> tuple[torch.Tensor, float]:
     """(scale, eps) of the verifier's final RMSNorm, read from its safetensors without loading the model: the stored
     weight plus its family's offset (Gemma-3 scales by 1 + weight, pipeline/families.py)."""
-    config = json.loads((folder / "config.json").read_text())
+    config = verifier_config_dict(str(folder))
     text = text_config_dict(config)
     offset = family_of(text["model_type"]).final_norm_offset
     name = text_weights_prefix(config) + "norm.weight"
@@ -148,8 +149,7 @@ class VllmVerifier:
             )
             folder = _local_folder(self.path)
             self._norm = _final_norm(folder)
-            config = json.loads((folder / "config.json").read_text())
-            self._num_layers = int(text_config_dict(config)["num_hidden_layers"])
+            self._num_layers = int(text_config_dict(verifier_config_dict(str(folder)))["num_hidden_layers"])
         if list(layer_ids) != self._capture_layers:
             raise ValueError(f"this engine captures layers {self._capture_layers}, not {layer_ids}")
         return self._capturer
