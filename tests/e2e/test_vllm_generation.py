@@ -47,7 +47,7 @@ def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
     from pipeline.config import compose
     from pipeline.evaluation.reference_decoder import verifier_greedy
     from pipeline.generation.stage import REGENERATION_INFO
-    from pipeline.generation.verifier import load_verifier
+    from pipeline.verifier import load_verifier
 
     regenerated = StagePaths(compose([f"paths.root={default_run}"])).regenerated
     assert json.loads((regenerated / REGENERATION_INFO).read_text())["backend"] == "vllm"
@@ -65,6 +65,7 @@ def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI checks vLLM's capture through the pipeline on tiny Gemma-4 (tests/e2e/test_families.py)
 @pytest.mark.vllm
 def test_vllm_and_hf_capture_the_same_hidden_states_within_bf16(vllm_capture, smollm2_path):
     from pipeline.generation.hf_backend import HFVerifier

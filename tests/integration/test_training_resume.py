@@ -190,7 +190,10 @@ def single_worker_curve(store, tiny_verifier_path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["zero2", "zero3", "zero3_offload"])
+# ZeRO-3 in CI (it shards parameters, gradients and optimizer state: the most that can go wrong); ZeRO-2 and ZeRO-3
+# with offload, a training run each, with `-m extended`.
+@pytest.mark.parametrize("zero", [pytest.param("zero2", marks=pytest.mark.extended), "zero3",
+                                  pytest.param("zero3_offload", marks=pytest.mark.extended)])
 def test_zero_on_two_workers_follows_the_single_worker_loss_curve(store, tiny_verifier_path, single_worker_curve,
                                                                    zero):
     """The same global batch (1 worker accumulating 2 packed micro-batches vs 2 workers of 1 packed micro-batch):
@@ -223,10 +226,10 @@ def test_val_tau_is_the_reference_decoders_tau_on_the_checkpoint_and_picks_the_f
 
     from pipeline.data.store import load_manifest, read_samples, sample_locations
     from pipeline.evaluation.measured_drafter import decoding_drafter
-    from pipeline.evaluation.metrics import merged
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder
-    from pipeline.generation.verifier import load_verifier
+    from pipeline.metrics import merged
     from pipeline.training.validation import split_validation
+    from pipeline.verifier import load_verifier
 
     cfg, _ = with_store(store, tiny_verifier_path, "val-tau", "training.val_samples=2", "training.val_tau_samples=2",
                         "training.val_tau_max_new_tokens=12", "training.select_best_by=val.tau",
