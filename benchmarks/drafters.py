@@ -1,7 +1,7 @@
 """Drafter benchmarks on SmolLM2, written as JSON.
 
     python benchmarks/drafters.py harness [--steps 150] [--root outputs/bench-drafters] [--out FILE]
-        One Hydra multirun over the four drafters (`jobs/pipeline.py -m drafter=eagle3,peagle,dflash,dspark`)
+        One Hydra multirun over the four drafters (`jobs/run_pipeline.py -m drafter=eagle3,peagle,dflash,dspark`)
         on one shared feature store, the same data and steps, each evaluated by the reference decoder at K=7.
         Reports pooled tau and per-position acceptance per drafter.
 
@@ -33,7 +33,7 @@ def harness(args) -> dict:
     root = Path(args.root).resolve()
     overrides = [f"paths.root={root}", f"drafter.num_speculative_tokens={K}", f"evaluation.num_speculative_tokens={K}",
                  f"training.max_steps={args.steps}"]
-    command = [sys.executable, "jobs/pipeline.py", "-m", f"drafter={','.join(DRAFTERS)}", *overrides]
+    command = [sys.executable, "jobs/run_pipeline.py", "-m", f"drafter={','.join(DRAFTERS)}", *overrides]
     started = time.time()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     subprocess.run(command, cwd=REPO, env=env, check=True)

@@ -47,7 +47,7 @@ def run(args) -> dict:
     from pipeline.drafters.build import store_layer_ids
     from pipeline.generation.batching import pack_by_token_budget
     from pipeline.generation.hf_backend import HFVerifier
-    from pipeline.generation.verifier import resolve_verifier_path
+    from pipeline.verifier import resolve_verifier_path
 
     cfg = compose([])
     verifier = HFVerifier(resolve_verifier_path(cfg.verifier), "float32", threads=2)

@@ -59,11 +59,10 @@ def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 def drafter_config(name: str):
-    from omegaconf import OmegaConf
+    """conf/drafter/<name>.yaml as `drafter=<name>` composes it."""
+    from pipeline.config import compose
 
-    from pipeline.config.schema import DrafterConfig
-
-    return OmegaConf.merge(OmegaConf.structured(DrafterConfig), OmegaConf.load(REPO / "conf" / "drafter" / f"{name}.yaml"))
+    return compose([f"drafter={name}"]).drafter
 
 
 def build(name: str, verifier_path: Path, device):
@@ -103,7 +102,8 @@ def capture_samples(verifier_path: Path, layer_ids: list[int], count: int, out: 
     worst = max(float((captured[r][i] - reference[r][i]).abs().max() / reference[r][i].abs().max().clamp_min(1e-6))
                 for r in range(compared) for i in layer_ids + [last])
     gpu.model.to(DEVICE)
-    out.append([{"sample_id": f"s{n}", "input_ids": torch.tensor(seq), "loss_mask": torch.tensor([0] * 48 + [1] * (len(seq) - 48)),
+    out.append([{"sample_id": f"s{n}", "input_ids": torch.tensor(seq),
+                 "loss_mask": torch.tensor([0] * 48 + [1] * (len(seq) - 48)),
                  "aux": torch.cat([h[i] for i in layer_ids], -1), "last": h[last]}
                 for n, (seq, h) in enumerate(zip(sequences, captured))])
     return {"ok": worst < 1e-3, "gpu_vs_cpu_max_rel_diff": worst, "generate_s": generate_s, "capture_s": capture_s,
@@ -116,7 +116,8 @@ def training_config(steps: int) -> dict:
             "grad_accum_steps": 1}
 
 
-def train(engine, samples: list[dict], options: dict, steps: int, autocast, batch: int = 4) -> tuple[list[float], float]:
+def train(engine, samples: list[dict], options: dict, steps: int, autocast,
+          batch: int = 4) -> tuple[list[float], float]:
     """(losses, seconds per step after the first) over `steps` optimizer steps of `batch` samples."""
     losses, times = [], []
     generator = torch.Generator()
@@ -202,7 +203,7 @@ def check_deepspeed(stage: int, verifier_path: Path, samples: list[dict], steps:
 
 def check_decoding(name: str, model, verifier_path: Path, count: int = 4, new_tokens: int = 48) -> dict:
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
-    from pipeline.generation.verifier import load_verifier
+    from pipeline.verifier import load_verifier
 
     verifier, tokenizer = load_verifier(str(verifier_path), "float32")
     drafter = model.float().eval().to(verifier.device)

@@ -3,7 +3,7 @@
     python benchmarks/pipeline_time.py --before <git ref> [--out benchmarks/results/pipeline_time.json] [overrides]
     python benchmarks/pipeline_time.py --before-root DIR --after-root DIR      # two finished runs' output roots
 
-Runs `python jobs/pipeline.py` (the README's first command) for the `--before` commit (checked out in a temporary
+Runs `python jobs/run_pipeline.py` (the README's first command) for the `--before` commit (checked out in a temporary
 git worktree, its own code on PYTHONPATH) and then for this working tree, one right after the other, each on a cold
 output root; the verifier's conversion is cached under ~/.cache/pipeline for both. Stage times come from the same
 place for both sides: the start and end of each stage's MLflow child run, and the job's from its parent run. Also
@@ -42,13 +42,13 @@ def machine() -> dict:
 
 
 def run_pipeline(code_dir: Path, root: Path, overrides: list[str]) -> float:
-    """Wall seconds of `python jobs/pipeline.py` run from code_dir (its own package first on the path)."""
+    """Wall seconds of `python jobs/run_pipeline.py` run from code_dir (its own package first on the path)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = str(code_dir)
     log = root.with_suffix(".log")
     started = time.time()
     with log.open("w") as out:
-        result = subprocess.run([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides],
+        result = subprocess.run([sys.executable, "jobs/run_pipeline.py", f"paths.root={root}", *overrides],
                                 cwd=code_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
     if result.returncode != 0:
         raise SystemExit(f"the pipeline in {code_dir} failed (exit {result.returncode}); its log: {log}")

@@ -4,7 +4,7 @@
         [--prompts-per-set 8] [--max-new-tokens 48] [--work DIR2] [--out FILE] [--update]
 
 DIR holds the general store (`python jobs/generate.py experiment=quality_cpu paths.root=DIR`). For each drafter,
-`jobs/pipeline.py experiment=quality_cpu` runs on a root of its own that links DIR's prompts, regenerated set and
+`jobs/run_pipeline.py experiment=quality_cpu` runs on a root of its own that links DIR's prompts, regenerated set and
 store, for --steps optimizer steps with a checkpoint every steps / points steps (val.tau and val.proxy_tau at each,
 the final checkpoint chosen by val.tau), then evaluates on held_out, code, math and chat and measures the export in
 vLLM. Every checkpoint's drafter (the train run's MLflow artifacts `checkpoints/step-N`) is then decoded by the
@@ -56,11 +56,11 @@ def run_pipeline(root: Path, work: Path, algorithm: str, args) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     log = work / "pipeline.log"
     with log.open("w") as out:
-        finished = subprocess.run([sys.executable, "jobs/pipeline.py", *overrides], cwd=REPO, env=env, stdout=out,
+        finished = subprocess.run([sys.executable, "jobs/run_pipeline.py", *overrides], cwd=REPO, env=env, stdout=out,
                                   stderr=subprocess.STDOUT, timeout=4 * 3600)
     if finished.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:]
-        raise RuntimeError(f"{algorithm}: jobs/pipeline.py exited {finished.returncode}: {tail} (log: {log})")
+        raise RuntimeError(f"{algorithm}: jobs/run_pipeline.py exited {finished.returncode}: {tail} (log: {log})")
     return overrides
 
 
@@ -101,8 +101,8 @@ def reference_per_set(verifier, stop_token_ids: tuple[int, ...], checkpoint: Pat
                       k: int, max_new_tokens: int, batch_size: int) -> dict[str, dict]:
     """Pooled tau and alpha_1 per set of one checkpoint's drafter, greedy, by the lossless reference decoder."""
     from pipeline.evaluation.measured_drafter import decoding_drafter
-    from pipeline.evaluation.metrics import merged
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder
+    from pipeline.metrics import merged
 
     # MLflow's copy of a checkpoint carries no integrity record (those seal Ray's copy); it is this run's own.
     drafter = decoding_drafter(checkpoint, verified=False).to(verifier.device)
@@ -145,8 +145,8 @@ def tokens_per_forward(counters: dict, tokens: list[list[int]]) -> dict:
 def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
     from pipeline.config import compose
     from pipeline.data.store import load_manifest
-    from pipeline.generation.verifier import load_verifier, resolve_verifier_path, stop_token_ids
     from pipeline.paths import StagePaths
+    from pipeline.verifier import load_verifier, resolve_verifier_path, stop_token_ids
 
     started = time.perf_counter()
     overrides = run_pipeline(root, work, algorithm, args)

@@ -14,7 +14,7 @@
     python benchmarks/training.py throughput --root DIR [--steps 20] [--drafters ...] [--work DIR2]
                                              [--override KEY=VALUE ...] [--out FILE]
         `jobs/train.py` for each drafter on 1 and then 2 workers, on the SmolLM2 store already generated under DIR
-        (e.g. by `python jobs/pipeline.py paths.root=DIR`). Each run gets a fresh output root whose prompts,
+        (e.g. by `python jobs/run_pipeline.py paths.root=DIR`). Each run gets a fresh output root whose prompts,
         regenerated and stores folders link to DIR's, so the store is reused and runs never see each other's
         checkpoints or MLflow runs. Reads train.tokens_per_s from each run's MLflow store and reports it per world
         size, per worker, and the 2-worker / 1-worker scaling. --override passes the Hydra overrides the store
@@ -100,7 +100,7 @@ def smollm2_verifier():
     """(cfg, folder, HF config) of the real SmolLM2 verifier, as the tests' smollm2_path fixture resolves it."""
     from pipeline.config import compose
     from pipeline.families import load_verifier_config
-    from pipeline.generation.verifier import resolve_verifier_path
+    from pipeline.verifier import resolve_verifier_path
 
     cfg = compose(["verifier=smollm2"])
     path = resolve_verifier_path(cfg.verifier)
@@ -112,10 +112,10 @@ def build_ours(algorithm: str, verifier_name: str, verifier_path: str, verifier_
     import torch
     from omegaconf import OmegaConf
 
-    from pipeline.config.schema import DrafterConfig
+    from pipeline.drafters import drafter_config
     from pipeline.drafters.build import build_drafter, make_spec, verifier_head_tensors
 
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": depth})
+    cfg = drafter_config(algorithm, num_speculative_tokens=depth)
     spec = make_spec(cfg, verifier_config, verifier_name, verifier_path, default_mask_token_id=0)
     torch.manual_seed(0)
     model = build_drafter(spec, verifier_head_tensors(verifier_path)).float().train()
@@ -354,7 +354,7 @@ def throughput(args) -> dict:
     missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
     if missing or not list(root.glob("stores/*/manifest.json")):
         raise SystemExit(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']}); "
-                         f"make one with `python jobs/pipeline.py paths.root={root}`")
+                         f"make one with `python jobs/run_pipeline.py paths.root={root}`")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-training-throughput"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     results = {"machine": machine_info(), "root": str(root), "work": str(work), "steps": args.steps,

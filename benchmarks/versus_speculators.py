@@ -4,9 +4,9 @@
         [--eval-sets held_out code math chat] [--prompts-per-set 8] [--max-new-tokens 48]
         [--override KEY=VALUE ...] [--work DIR2] [--out FILE] [--update] [--reuse-ours]
 
-DIR holds a generated store (e.g. `python jobs/pipeline.py paths.root=DIR`). For each drafter:
+DIR holds a generated store (e.g. `python jobs/run_pipeline.py paths.root=DIR`). For each drafter:
 
-- **ours**: `jobs/pipeline.py` on a fresh output root that links DIR's prompts, regenerated set and store, with
+- **ours**: `jobs/run_pipeline.py` on a fresh output root that links DIR's prompts, regenerated set and store, with
   `drafter=<name> training.max_steps=<steps>` and the eval sets: Ray Train + DeepSpeed, our recipe, our export. Its
   evaluation writes the requests (prompt tokens and the verifier's greedy answer) every measurement below uses.
 - **theirs**: speculators' own model class (`from_training_args`, their initialisation), their loss (their eager
@@ -64,6 +64,8 @@ def ours_overrides(root: Path, algorithm: str, args) -> list[str]:
 
 def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     """Our whole chain on DIR's store; returns the folders and figures the comparison needs."""
+    from omegaconf import OmegaConf
+
     from pipeline.config import compose
     from pipeline.paths import StagePaths
     from pipeline.training.optim import deepspeed_grad_clip
@@ -76,10 +78,10 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
     overrides = ours_overrides(work, algorithm, args)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     started = time.perf_counter()
-    finished = subprocess.run([sys.executable, "jobs/pipeline.py", *overrides], cwd=REPO, env=env,
+    finished = subprocess.run([sys.executable, "jobs/run_pipeline.py", *overrides], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=7200)
     if finished.returncode != 0:
-        raise RuntimeError(f"ours: jobs/pipeline.py exited {finished.returncode}: "
+        raise RuntimeError(f"ours: jobs/run_pipeline.py exited {finished.returncode}: "
                            f"{finished.stderr.strip().splitlines()[-1:]}")
     cfg = compose(overrides)
     paths = StagePaths(cfg)
@@ -91,8 +93,8 @@ def train_ours(root: Path, work: Path, algorithm: str, args) -> dict:
             "recipe": {"optimizer": _our_optimizer(training), "lr": float(training.lr),
                        "schedule": f"linear warmup {training.warmup_steps} steps, {training.lr_schedule} to "
                                    f"{training.min_lr_ratio} x lr",
-                       "drafter": {key: cfg.drafter[key] for key in ("norm_before_fc", "norm_output",
-                                                                      "max_anchors", "depth_keep_decay")},
+                       # the drafter's own options (its schema's), as the run used them
+                       "drafter": OmegaConf.to_container(cfg.drafter, resolve=True),
                        "grad_clip": deepspeed_grad_clip(training), "workers": int(training.num_workers),
                        "micro_batch_size": int(training.micro_batch_size),
                        "sequences_per_step": int(training.num_workers) * int(training.micro_batch_size)
@@ -421,7 +423,7 @@ def reference_per_set(verifier_path: str, compute_dtype: str, drafter: Path, req
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder
     from pipeline.evaluation.stage import summarize
     from pipeline.export.speculators_format import load_speculators
-    from pipeline.generation.verifier import load_verifier, stop_token_ids
+    from pipeline.verifier import load_verifier, stop_token_ids
 
     verifier, tokenizer = load_verifier(verifier_path, compute_dtype)
     model = load_speculators(drafter, verifier_path).to(verifier.device)
@@ -468,7 +470,7 @@ def measure_both(algorithm: str, ours: dict, theirs_export: Path, requests: list
 
 
 def compare_drafter(root: Path, work: Path, algorithm: str, args) -> dict:
-    from pipeline.generation.verifier import resolve_verifier_path
+    from pipeline.verifier import resolve_verifier_path
 
     ours = train_ours(root, work / f"ours-{algorithm}", algorithm, args)
     ours["verifier_path"] = resolve_verifier_path(ours["cfg"].verifier)

@@ -1,16 +1,12 @@
 """Hydra entry point: `python jobs/evaluate.py [overrides]` or `ray job submit -- python jobs/evaluate.py ...`."""
 
-import os
 import sys
 
-# This folder holds a script named pipeline.py, which would shadow the `pipeline` package.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from pipeline.config import register_configs  # noqa: E402
-from pipeline.runner import run_job  # noqa: E402
+from pipeline.config import register_configs
+from pipeline.runner import run_job
 
 register_configs()
 

@@ -7,17 +7,13 @@
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-# This folder holds a script named pipeline.py, which would shadow the `pipeline` package.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-from pipeline.errors import PipelineError  # noqa: E402
-from pipeline.infra.render import CLUSTER_SHAPES, EXPERIMENTS, rendered_files, write  # noqa: E402
-from pipeline.infra.schemas import KUBERNETES_VERSION, file_problems  # noqa: E402
-from pipeline.runner import run_guarded  # noqa: E402
+from pipeline.errors import PipelineError
+from pipeline.infra.render import CLUSTER_SHAPES, EXPERIMENTS, rendered_files, write
+from pipeline.infra.schemas import KUBERNETES_VERSION, file_problems
+from pipeline.runner import run_guarded
 
 REPO = Path(__file__).resolve().parents[1]
 

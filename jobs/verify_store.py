@@ -6,15 +6,11 @@ Exits 0 and prints a summary when the store is whole; exits 2 naming the first b
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-# This folder holds a script named pipeline.py, which would shadow the `pipeline` package.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-from pipeline.data.store import verify_store  # noqa: E402
-from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.data.store import verify_store
+from pipeline.errors import PipelineError
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ class Context:
 
     @functools.cached_property
     def verifier_path(self) -> str:
-        from pipeline.generation.verifier import resolve_verifier_path
+        from pipeline.verifier import resolve_verifier_path
 
         return resolve_verifier_path(self.cfg.verifier)
 

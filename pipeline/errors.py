@@ -7,6 +7,12 @@ class PipelineError(Exception):
     """Bad input or state the user can fix; the message names the field or file."""
 
 
+def require(condition: bool, message: str) -> None:
+    """Raises PipelineError(message) unless condition holds; message starts with the field it names."""
+    if not condition:
+        raise PipelineError(message)
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RAISED = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (?P<message>.+)$")
 

@@ -1,4 +1,4 @@
-"""The one metric spec (DESIGN.md), shared by training, offline evaluation and serving.
+"""The one metric spec (docs/design.md), shared by training, offline evaluation and serving.
 
 A verify step proposes K drafts; `accepted` is how many leading drafts the verifier kept (0..K).
 Pooled tau = 1 + sum(accepted) / steps (vLLM's definition: the bonus token counts).

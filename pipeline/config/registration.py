@@ -14,8 +14,14 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def register_configs() -> None:
-    # conf/config.yaml lists `base_config` first, so every group file is merged into (and checked against) it.
-    ConfigStore.instance().store(name="base_config", node=PipelineConfig)
+    """conf/config.yaml lists `base_config` first, so every group file is merged into (and checked against) it;
+    each drafter's schema is `drafter/<name>_schema`, which its conf/drafter/<name>.yaml extends."""
+    from pipeline.drafters import DRAFTERS
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=PipelineConfig)
+    for name, drafter in DRAFTERS.items():
+        store.store(group="drafter", name=f"{name}_schema", node=drafter.config_class)
 
 
 def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> DictConfig:

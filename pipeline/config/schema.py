@@ -18,6 +18,8 @@ from pipeline.data.synthesize import DEFAULT_SYSTEM_PROMPTS
 # label): the train and evaluation content keys leave it out (pipeline/paths.py: result_settings), so changing it
 # resumes or reuses the same run instead of training again. Every other setting counts as changing results.
 NOT_A_RESULT = {"changes_results": False}
+# The chain's stages in order: the one list (pipeline/runner.py maps each to its function).
+STAGE_NAMES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 
 
 def run_setting(default: Any = MISSING) -> Any:
@@ -45,7 +47,7 @@ class VerifierConfig:
     # dtype the verifier computes in during generation/capture/evaluation (fp32 keeps greedy ties stable on CPU).
     compute_dtype: str = "float32"
     # A GGUF conversion is refused when the converted model's perplexity on a fixed English and Python text
-    # (generation/verifier.py PLAUSIBILITY_TEXT) exceeds this: a broken conversion fails loudly (0: no check).
+    # (pipeline/verifier.py PLAUSIBILITY_TEXT) exceeds this: a broken conversion fails loudly (0: no check).
     max_conversion_perplexity: float = 100.0
     # A base model's GGUF carries no chat template: the project's pipeline/generation/chat_templates/<name>.jinja.
     chat_template: Optional[str] = None
@@ -140,43 +142,31 @@ class GenerationConfig:
 
 @dataclass
 class DrafterConfig:
+    """What every drafter reads. Each drafter's own options extend it in its folder
+    (pipeline/drafters/<name>/config.py), so `drafter=<name>` composes that schema and an option of another
+    drafter is refused by name."""
+
     name: str = MISSING  # registry key == the checkpoint's speculators_model_type
     num_layers: int = 1
-    # Verifier layer ids to fuse (id i = hidden state after i layers). null -> [2, n//2, n-3].
+    # Verifier layer ids to fuse (id i = hidden state after i layers). null -> the drafter's default layers.
     aux_layer_ids: Optional[list[int]] = None
     num_speculative_tokens: int = 4
-    # Token whose embedding fills the parallel (masked) positions. null -> the verifier's pad/eos token.
-    mask_token_id: Optional[int] = None
-    # P-EAGLE draft-block sparsification: chain depth d is kept for a fraction depth_keep_decay**d of anchors.
-    depth_keep_decay: float = 0.8
     # Sequence-length sparsification: at most this many loss-carrying anchors per sequence per step (null = all).
     max_anchors: Optional[int] = 64
     norm_before_residual: bool = True
-    # EAGLE-3 / P-EAGLE: one RMSNorm over the concatenated aux hidden states before `fc` (speculators' and vLLM's
-    # `norm_before_fc`, weight `input_norm`): the verifier's layers differ in scale by orders of magnitude.
-    norm_before_fc: bool = False
-    # EAGLE-3: each training-time-test step reads the previous step's post-norm output instead of its pre-norm one
-    # (speculators' and vLLM's `norm_output`).
-    norm_output: bool = False
-    # EAGLE-3 / P-EAGLE: train the token embedding too (speculators' `embed_requires_grad`, on by default in its
-    # P-EAGLE); the export carries it and vLLM serves it. DFlash / DSpark exports take the verifier's embedding.
-    embed_requires_grad: bool = False
-    # DFlash / DSpark: attention inside a block is bidirectional (the paper); true makes it causal.
-    causal_block: bool = False
-    # DFlash / DSpark: loss weight of draft j is exp(-j / loss_decay_gamma) (position_weighting "decay").
-    loss_decay_gamma: float = 7.0
-    # DFlash: "dpace" weighs each draft by what the block's expected accepted length gains from it, from the rows'
-    # own losses (speculators' D-PACE, its DFlash default; needs distill_target "argmax"), smoothed by dpace_alpha.
-    position_weighting: str = "decay"
-    dpace_alpha: float = 0.5
-    # DFlash / DSpark: what a draft learns from the verifier: its next-token "distribution" (soft cross-entropy)
-    # or its greedy token ("argmax": cross-entropy on it, speculators' `ce`, its DFlash default).
-    distill_target: str = "distribution"
-    # DSpark: rank of the Markov (previous-token) logit bias; weight of the confidence head's loss.
-    markov_rank: int = 64
-    confidence_loss_weight: float = 1.0
     # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
     draft_vocab_size: Optional[int] = None
+
+    def validate(self) -> None:
+        """Raises PipelineError naming the first option with a value the drafter cannot use; a drafter's schema
+        extends this with its own options' checks."""
+        from pipeline.errors import require
+
+        require(self.num_speculative_tokens >= 1, "drafter.num_speculative_tokens: must be >= 1")
+        require(self.num_layers >= 1, "drafter.num_layers: must be >= 1")
+        require(self.max_anchors is None or self.max_anchors >= 1, "drafter.max_anchors: must be >= 1")
+        require(self.draft_vocab_size is None or self.draft_vocab_size >= 2,
+                "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")
 
 
 @dataclass
@@ -405,11 +395,12 @@ class ClusterConfig:
     local_num_cpus: Optional[int] = None
     use_gpu: bool = False
     storage_path: str = "${paths.root}/ray"
-    # The cluster's shape: GPU worker nodes (pods), GPUs and CPUs on each. Training takes one worker per GPU;
-    # `validate` checks that the training, generation and serving GPU counts fit this shape.
-    num_workers: int = 0
-    gpus_per_worker: int = 0
-    cpus_per_worker: int = 0
+    # The cluster's shape: GPU worker nodes (pods), GPUs and CPUs on each (nodes, so that `num_workers` names only
+    # Ray Train's workers: training takes one per GPU); `validate` checks that the training, generation and serving
+    # GPU counts fit this shape.
+    num_nodes: int = 0
+    gpus_per_node: int = 0
+    cpus_per_node: int = 0
     accelerator_type: Optional[str] = None  # e.g. A100: names the worker group; Ray detects the type itself
     # The MLflow server the jobs log to (tracking.tracking_uri defaults to it); null = a local store.
     mlflow_uri: Optional[str] = None
@@ -468,8 +459,5 @@ class PipelineConfig:
     serving: ServingConfig = field(default_factory=ServingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: str = "default"
-    # Stages pipeline.py runs, in order.
-    stages: list[str] = field(
-        default_factory=lambda: ["prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval",
-                                 "promote"]
-    )
+    # Stages jobs/run_pipeline.py runs, in order.
+    stages: list[str] = field(default_factory=lambda: list(STAGE_NAMES))

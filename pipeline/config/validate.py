@@ -11,23 +11,22 @@ from pipeline.config import schema as schema_module
 from pipeline.data.prompts import OFFLINE_SOURCES
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_config
 from pipeline.errors import PipelineError
+from pipeline.errors import require as _require
 from pipeline.families import TINY_FAMILIES
 from pipeline.training.optim import LR_SCHEDULES, OPTIMIZERS
 
-KNOWN_STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 KNOWN_SOURCES = (*OFFLINE_SOURCES, "jsonl", "parquet", "hub")
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("hf", "vllm")
 SELECTION_METRICS = ("val.proxy_tau", "val.tau")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise PipelineError(message)
-
-
 def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
-    """Keys forced in with `+key=value` bypass OmegaConf's struct check; catch them here by name."""
+    """Keys forced in with `+key=value` bypass OmegaConf's struct check; catch them here by name. A group composed
+    from a subclass of its declared schema (a drafter's own options) is checked against that subclass."""
+    node_type = OmegaConf.get_type(node)
+    if isinstance(node_type, type) and dataclasses.is_dataclass(node_type) and issubclass(node_type, schema):
+        schema = node_type
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in node.keys():
         if key not in fields:
@@ -69,19 +68,7 @@ def validate(cfg: DictConfig) -> None:
     _require(gen.num_actors >= 1, "generation.num_actors: must be >= 1")
     _require(cfg.generation.max_new_tokens > 0, "generation.max_new_tokens: must be > 0")
     _require(cfg.generation.max_length > 8, "generation.max_length: must be > 8")
-    _require(cfg.drafter.name in DRAFTERS, f"drafter.name: '{cfg.drafter.name}' is not one of {sorted(DRAFTERS)}")
-    _require(cfg.drafter.num_speculative_tokens >= 1, "drafter.num_speculative_tokens: must be >= 1")
-    _require(0.0 < cfg.drafter.depth_keep_decay <= 1.0, "drafter.depth_keep_decay: must be in (0, 1]")
-    _require(cfg.drafter.max_anchors is None or cfg.drafter.max_anchors >= 1, "drafter.max_anchors: must be >= 1")
-    _require(cfg.drafter.draft_vocab_size is None or cfg.drafter.draft_vocab_size >= 2,
-             "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")
-    _require(cfg.drafter.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
-    _require(cfg.drafter.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
-    _validate_block_loss(cfg.drafter)
-    # A drafter that reads the option lists it among its spec keys; the others export no embedding to train.
-    _require(not cfg.drafter.embed_requires_grad or "embed_requires_grad" in DRAFTERS[cfg.drafter.name].extra_keys,
-             f"drafter.embed_requires_grad: {cfg.drafter.name} uses the verifier's embedding (its export has none); "
-             "only eagle3 and peagle train it")
+    _validate_drafter(cfg.drafter, DRAFTERS)
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
@@ -115,25 +102,19 @@ def validate(cfg: DictConfig) -> None:
     _require(not cfg.verifier.get("tiny") or not (cfg.verifier.path or cfg.verifier.gguf_package),
              "verifier.tiny: builds its own verifier; leave verifier.path and verifier.gguf_package unset")
     for stage in cfg.stages:
-        _require(stage in KNOWN_STAGES, f"stages: unknown stage '{stage}'; known: {KNOWN_STAGES}")
+        _require(stage in schema_module.STAGE_NAMES,
+                 f"stages: unknown stage '{stage}'; known: {schema_module.STAGE_NAMES}")
 
 
-def _validate_block_loss(drafter) -> None:
-    """distill_target and position_weighting are the block drafters' loss choices; D-PACE is DFlash's (DSpark's
-    Markov bias takes its gradient from fixed weights) and reads each draft's probability of the verifier's
-    greedy token, which only the argmax target's loss is."""
-    block_family = drafter.name in ("dflash", "dspark")
-    _require(drafter.distill_target in ("distribution", "argmax"),
-             "drafter.distill_target: must be 'distribution' or 'argmax'")
-    _require(drafter.position_weighting in ("decay", "dpace"), "drafter.position_weighting: must be 'decay' or 'dpace'")
-    _require(block_family or drafter.distill_target == "distribution",
-             f"drafter.distill_target: {drafter.name} distils the distribution; 'argmax' is for dflash and dspark")
-    _require(drafter.position_weighting == "decay" or drafter.name == "dflash",
-             f"drafter.position_weighting: 'dpace' is dflash's, not {drafter.name}'s")
-    _require(drafter.position_weighting == "decay" or drafter.distill_target == "argmax",
-             "drafter.position_weighting: 'dpace' needs drafter.distill_target=argmax (its weights read the "
-             "drafter's probability of the verifier's greedy token)")
-    _require(0.0 <= drafter.dpace_alpha < 1.0, "drafter.dpace_alpha: must be in [0, 1)")
+def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:
+    """The drafter's options are those of its own schema (`drafter=<name>` composes it; another drafter's option
+    is refused by name there or in _check_known_keys); each schema checks its values (its `validate`)."""
+    _require(drafter.name in drafters, f"drafter.name: '{drafter.name}' is not one of {sorted(drafters)}")
+    schema = drafters[drafter.name].config_class
+    _require(OmegaConf.get_type(drafter) is schema,
+             f"drafter.name: '{drafter.name}' needs its own options ({schema.__name__}): choose it with "
+             f"drafter={drafter.name}, not drafter.name={drafter.name}")
+    OmegaConf.to_object(drafter).validate()
 
 
 def _validate_evaluation(evaluation: DictConfig) -> None:
@@ -164,14 +145,9 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
 def _validate_alias(alias: str) -> None:
     """MLflow's own rules for a registry alias (characters, length, the reserved `latest` and `v<N>`), checked before
     any stage runs instead of at the promotion after training."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved
+    from pipeline.tracking import check_alias_name
 
-    try:
-        _validate_model_alias_name(alias)
-        _validate_model_alias_name_reserved(alias)
-    except MlflowException as error:
-        raise PipelineError(f"evaluation.gate.alias: {error.message}") from None
+    check_alias_name(alias, "evaluation.gate.alias")
 
 
 def _validate_val_tau(training: DictConfig) -> None:
@@ -228,7 +204,7 @@ def _validate_generation_parallelism(gen: DictConfig) -> None:
 
 def _engines_that_fit(cluster: DictConfig, gpus_per_engine: int) -> int:
     """vLLM engines of this many GPUs the cluster holds: a tensor-parallel group never spans two nodes."""
-    return cluster.num_workers * (cluster.gpus_per_worker // gpus_per_engine)
+    return cluster.num_nodes * (cluster.gpus_per_node // gpus_per_engine)
 
 
 def _validate_cluster_shape(cfg: DictConfig) -> None:
@@ -237,21 +213,21 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
     cluster = cfg.cluster
     if not cluster.use_gpu:
         return
-    total = cluster.num_workers * cluster.gpus_per_worker
-    shape = f"cluster {cluster.name} has {cluster.num_workers} worker(s) x {cluster.gpus_per_worker} GPU(s)"
-    _require(total >= 1, f"cluster.num_workers / cluster.gpus_per_worker: cluster.use_gpu needs GPU workers ({shape})")
+    total = cluster.num_nodes * cluster.gpus_per_node
+    shape = f"cluster {cluster.name} has {cluster.num_nodes} node(s) x {cluster.gpus_per_node} GPU(s)"
+    _require(total >= 1, f"cluster.num_nodes / cluster.gpus_per_node: cluster.use_gpu needs GPU nodes ({shape})")
     _require(cfg.training.num_workers == total,
              f"training.num_workers: {cfg.training.num_workers} training workers, but {shape}: one worker per GPU")
     gen = cfg.generation
     if gen.use_gpu:
-        _require(gen.tensor_parallel_size <= cluster.gpus_per_worker,
+        _require(gen.tensor_parallel_size <= cluster.gpus_per_node,
                  f"generation.tensor_parallel_size: {gen.tensor_parallel_size} GPUs per engine, but {shape}")
         _require(gen.num_actors <= _engines_that_fit(cluster, gen.tensor_parallel_size),
                  f"generation.num_actors: {gen.num_actors} verifier actors of {gen.tensor_parallel_size} GPU(s) each "
                  f"do not fit: {shape}")
     serving = cfg.serving
     if serving.accelerator == "gpu":
-        _require(serving.tensor_parallel_size <= cluster.gpus_per_worker,
+        _require(serving.tensor_parallel_size <= cluster.gpus_per_node,
                  f"serving.tensor_parallel_size: {serving.tensor_parallel_size} GPUs per replica, but {shape}")
         replicas = int(serving.autoscaling.get("max_replicas", 1))
         _require(replicas <= _engines_that_fit(cluster, serving.tensor_parallel_size),

@@ -221,7 +221,7 @@ def _write_prompts(folder: str, verifier_path: str, compute_dtype: str,
     """Ray task body: load the verifier on one backend and run `synthesize`."""
     from transformers import AutoTokenizer
 
-    from pipeline.generation.verifier import verifier_stop_token_ids
+    from pipeline.verifier import verifier_stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
     longest_prefix = max(len(tokenizer(user_turn_prefix(tokenizer, settings["system_prompts"][d]),

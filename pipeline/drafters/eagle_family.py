@@ -14,8 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.chains import attention_allowed, attention_allowed_to, sample_training_rows
-from pipeline.drafters.common import (DrafterBase, DrafterSpec, EagleDecoderLayer, additive_mask, build_norm,
-                                      build_rotary, soft_cap)
+from pipeline.drafters.common import (
+    DrafterBase,
+    DrafterSpec,
+    EagleDecoderLayer,
+    additive_mask,
+    build_norm,
+    build_rotary,
+    soft_cap,
+)
+from pipeline.errors import PipelineError
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 
@@ -23,6 +31,30 @@ class EagleFamilyDrafter(DrafterBase):
     # P-EAGLE sparsifies chains along depth in training (drafter.depth_keep_decay); EAGLE-3's TTT keeps them whole.
     sparsifies_depth = False
     extra_keys = ("norm_before_fc", "embed_requires_grad")
+    aux_layers_key = "eagle_aux_hidden_state_layer_ids"
+    runs_on_vllm_cpu = True
+
+    @classmethod
+    def export_fields(cls, spec: DrafterSpec) -> dict[str, Any]:
+        return {
+            "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+            # vLLM assumes True when absent, speculators False: always write it.
+            "norm_before_residual": spec.norm_before_residual,
+            "norm_before_fc": bool(spec.extra.get("norm_before_fc", False)),
+            "fc_norm": False,
+            # vLLM's P-EAGLE drafts without chaining hidden states, so only EAGLE-3 has a norm_output.
+            "norm_output": bool(spec.extra.get("norm_output", False)),
+            # speculators' own key: whether training moved the embedding this checkpoint carries.
+            "embed_requires_grad": bool(spec.extra.get("embed_requires_grad", False)),
+        }
+
+    @classmethod
+    def extra_from_export(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if config.get("fc_norm"):
+            raise PipelineError("checkpoint config.json: fc_norm (one RMSNorm per aux layer) is not supported; "
+                                "norm_before_fc is")
+        return {"norm_before_fc": bool(config.get("norm_before_fc", False)),
+                "embed_requires_grad": bool(config.get("embed_requires_grad", False))}
 
     def __init__(self, spec: DrafterSpec):
         super().__init__(spec)
@@ -95,9 +127,10 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
 
     Returns (loss, correct [K], total [K]) where K = the drafter's num_speculative_tokens.
     """
+    options = model.resolved_options(options)
     num_depths = model.spec.num_speculative_tokens
-    keep_decay = float(options.get("depth_keep_decay", 1.0)) if model.sparsifies_depth else 1.0
-    rows = [sample_training_rows(s["loss_mask"], num_depths, keep_decay, generator, options.get("max_anchors"))
+    keep_decay = float(options["depth_keep_decay"]) if model.sparsifies_depth else 1.0
+    rows = [sample_training_rows(s["loss_mask"], num_depths, keep_decay, generator, options["max_anchors"])
             for s in samples]
     anchors = pad_stack([r[0] for r in rows], 0)  # [B, R]
     depths = pad_stack([r[1] for r in rows], 0)  # [B, R]

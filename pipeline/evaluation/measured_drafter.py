@@ -11,8 +11,8 @@ def decoding_drafter(checkpoint: Path, confidence_threshold: Optional[float] = N
     (bf16, pipeline.export.speculators_format); DSpark's block truncation set to `confidence_threshold` (a decoding
     setting, not a weight). Raises PipelineError for a folder that is not a complete checkpoint (verified: or not
     the files its integrity records list)."""
+    from pipeline.checkpoint import load_checkpoint
     from pipeline.export.speculators_format import round_to_export_dtype
-    from pipeline.training.checkpoint import load_checkpoint
 
     drafter = round_to_export_dtype(load_checkpoint(checkpoint, verified)[0])
     if confidence_threshold is not None and hasattr(drafter, "confidence_threshold"):

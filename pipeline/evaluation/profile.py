@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Collection
 
-from pipeline.evaluation.metrics import AcceptanceCounts
+from pipeline.metrics import AcceptanceCounts
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Any, Collection, Optional
 import torch
 from transformers import DynamicCache
 
-from pipeline.evaluation.metrics import AcceptanceCounts
 from pipeline.evaluation.sampling import rejection_sample, verifier_probs
 from pipeline.families import uses_sliding_window
-from pipeline.generation.verifier import cut_after_stop
+from pipeline.metrics import AcceptanceCounts
+from pipeline.verifier import cut_after_stop
 
 
 @dataclass
@@ -219,8 +219,8 @@ def greedy_mismatches(verifier: Any, prompts: list[list[int]], outputs: list[lis
 
     An output equals ``verifier.generate(do_sample=False)`` exactly when every output token is the verifier's argmax
     after the prompt and the output tokens before it, and it ends where greedy decoding ends: at the first
-    stop token (stop_token_ids) or after ``max_new_tokens``. One forward over prompt + output checks all of that at once,
-    so the lossless check costs a prefill per request instead of a second decode. prompts/outputs: token ids.
+    stop token (stop_token_ids) or after ``max_new_tokens``. One forward over prompt + output checks all of that at
+    once, so the lossless check costs a prefill per request instead of a second decode. prompts/outputs: token ids.
     """
     failed = []
     for start in range(0, len(prompts), batch_size):

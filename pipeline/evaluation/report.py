@@ -63,7 +63,8 @@ def plot_acceptance(report: dict, path: Path) -> None:
     positions = list(range(1, len(report["conditional_acceptance"]) + 1))
     for name, result in {"all (cumulative)": None, **report.get("datasets", {})}.items():
         if result is None:
-            axis.plot(positions, report["cumulative_acceptance"], marker="s", color="black", label="all: cumulative a_k")
+            axis.plot(positions, report["cumulative_acceptance"], marker="s", color="black",
+                      label="all: cumulative a_k")
             axis.plot(positions, report["conditional_acceptance"], marker="o", color="black", linestyle="--",
                       label="all: conditional α_k")
         elif len(report.get("datasets", {})) > 1:

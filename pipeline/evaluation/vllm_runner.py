@@ -23,11 +23,12 @@ from typing import Any
 
 
 def speculative_method(algorithm: str) -> dict[str, Any]:
-    """The keys of vLLM's speculative_config that name how it runs a speculators_model_type: `method`, plus
-    `parallel_drafting` for P-EAGLE. Never raises; an unknown algorithm is passed through as the method."""
-    if algorithm == "peagle":  # vLLM runs P-EAGLE as an EAGLE-3 model drafting all positions in parallel
-        return {"method": "eagle3", "parallel_drafting": True}
-    return {"method": algorithm}
+    """The keys of vLLM's speculative_config that name how it runs a speculators_model_type (the drafter class's
+    vllm_method: `method`, plus `parallel_drafting` for P-EAGLE). Never raises; an algorithm we do not train is
+    passed through as the method."""
+    from pipeline.drafters import DRAFTERS
+
+    return DRAFTERS[algorithm].vllm_method() if algorithm in DRAFTERS else {"method": algorithm}
 
 
 def speculative_config(drafter_dir: str, num_speculative_tokens: int) -> dict[str, Any]:
@@ -79,10 +80,10 @@ def generate(verifier: str, prompts: list[list[int]] | dict[str, list[list[int]]
     llm = LLM(model=verifier, speculative_config=speculative_config, disable_log_stats=False, dtype=args.dtype,
               max_model_len=args.max_model_len, seed=args.seed, enforce_eager=True, **memory, **engine_options)
 
-    def decode(batch: list[list[int]]) -> list[list[int]]:
+    def decode(batch: list[list[int]], engine: LLM = llm) -> list[list[int]]:
         params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed + index)
                   for index in range(len(batch))]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     if isinstance(prompts, dict):

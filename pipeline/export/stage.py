@@ -7,12 +7,12 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
+from pipeline.checkpoint import load_checkpoint
 from pipeline.context import Context
 from pipeline.export.model_card import CARD_FILE, model_card
 from pipeline.export.speculators_format import export_digest, export_speculators
 from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import seal
-from pipeline.training.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,7 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     {path, speculators_model_type, sha256} plus {registered_model, version, reused} when registered; raises
     PipelineError for a checkpoint the format cannot hold and MlflowException when the registry refuses."""
     model, _ = load_checkpoint(checkpoint)
-    if model.spec.algorithm == "dspark":  # record the truncation threshold the evaluation used
-        model.spec.extra["confidence_threshold"] = float(ctx.cfg.evaluation.confidence_threshold)
+    model.spec.extra.update(type(model).evaluated_extra(ctx.cfg.evaluation))  # e.g. DSpark's threshold
     folder = export_speculators(model, ctx.paths.export)
     config = json.loads((folder / "config.json").read_text())
     digest = export_digest(folder)

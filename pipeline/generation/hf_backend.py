@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.families import text_decoder
-from pipeline.generation.verifier import DTYPES, cut_after_stop, load_verifier, num_layers, stop_token_ids
+from pipeline.verifier import DTYPES, cut_after_stop, load_verifier, num_layers, stop_token_ids
 
 
 class HFVerifier:

@@ -22,7 +22,11 @@ import datasets
 from pipeline.context import Context
 from pipeline.data.chat import chat_template_hash, tokenize_conversation, tokenizer_fingerprint
 from pipeline.data.store import (
-    load_manifest, projected_store_bytes, remove_stale_temporaries, scan_shards, write_manifest,
+    load_manifest,
+    projected_store_bytes,
+    remove_stale_temporaries,
+    scan_shards,
+    write_manifest,
 )
 from pipeline.errors import PipelineError, remote_cause
 from pipeline.families import load_verifier_config

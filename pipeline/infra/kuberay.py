@@ -1,6 +1,6 @@
 """KubeRay custom resources (RayCluster, RayJob, RayService) built from the Hydra config.
 
-The cluster's shape (`cluster.num_workers` x `cluster.gpus_per_worker`), its image, volume and secret come from
+The cluster's shape (`cluster.num_nodes` x `cluster.gpus_per_node`), its image, volume and secret come from
 `cluster`; the RayJob's entrypoint is the pipeline job with the same experiment; the RayService's serveConfigV2 is
 the Serve config `jobs/serve.py` builds for the same config. `jobs/render_infra.py` writes them as YAML.
 """
@@ -116,20 +116,20 @@ def _head_group(cfg: DictConfig, workload: str) -> dict:
 
 def _worker_group(cfg: DictConfig, workload: str) -> dict:
     cluster = cfg.cluster
-    resources = {"cpu": str(cluster.cpus_per_worker), "memory": cluster.kubernetes.worker_memory,
-                 "nvidia.com/gpu": str(cluster.gpus_per_worker)}
+    resources = {"cpu": str(cluster.cpus_per_node), "memory": cluster.kubernetes.worker_memory,
+                 "nvidia.com/gpu": str(cluster.gpus_per_node)}
     container = _container(cfg, "ray-worker", resources, [], pod_secrets(cfg, workload, "worker"))
     # Ray detects the GPUs and their type (accelerator_type:A100) itself. DRIVER_RESOURCE places the job driver on
     # a GPU pod, where evaluation runs the verifier once training has released the GPUs; the group's `resources`
     # field (KubeRay writes `ray start --resources`) rather than a hand-quoted rayStartParams string.
-    return {"groupName": f"{str(cluster.accelerator_type or 'gpu').lower()}-x{cluster.gpus_per_worker}",
-            "replicas": int(cluster.num_workers), "minReplicas": int(cluster.num_workers),
-            "maxReplicas": int(cluster.num_workers), "rayStartParams": {},
+    return {"groupName": f"{str(cluster.accelerator_type or 'gpu').lower()}-x{cluster.gpus_per_node}",
+            "replicas": int(cluster.num_nodes), "minReplicas": int(cluster.num_nodes),
+            "maxReplicas": int(cluster.num_nodes), "rayStartParams": {},
             "resources": {DRIVER_RESOURCE: "1"}, "template": _pod_template(cfg, container, gpu=True)}
 
 
 def ray_cluster_spec(cfg: DictConfig, workload: str = TRAINING) -> dict:
-    """The RayCluster spec of `cluster`: one head pod, `num_workers` GPU pods on the shared volume. `workload`
+    """The RayCluster spec of `cluster`: one head pod, `num_nodes` GPU pods on the shared volume. `workload`
     (TRAINING or SERVING) decides which secrets its pods get (pod_secrets)."""
     return {"rayVersion": cfg.cluster.kubernetes.ray_version, "enableInTreeAutoscaling": False,
             # Ray's token authentication, the token from a secret you create (never in the repository).
@@ -152,7 +152,7 @@ def job_overrides(overrides: list[str]) -> list[str]:
 def pipeline_entrypoint(cfg: DictConfig, overrides: list[str] = ()) -> str:
     """The job a RayJob runs: the whole pipeline for this experiment and the job's overrides (what `ray job
     submit` runs by hand)."""
-    return " ".join([f"python {APP_DIR}/jobs/pipeline.py", f"experiment={cfg.experiment}",
+    return " ".join([f"python {APP_DIR}/jobs/run_pipeline.py", f"experiment={cfg.experiment}",
                      *(shlex.quote(o) for o in job_overrides(list(overrides)))])
 
 

@@ -1,5 +1,5 @@
 """A Ray cluster-launcher config (`ray up`) of the same shape as the KubeRay manifests, for users without
-Kubernetes: a CPU head on GCP, `cluster.num_workers` A2 machines with the project's GPU image, an NFS share at the
+Kubernetes: a CPU head on GCP, `cluster.num_nodes` A2 machines with the project's GPU image, an NFS share at the
 same path the pods mount, and the same driver resource on the GPU workers."""
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def _shared_mount(cfg: DictConfig) -> list[str]:
 
 def cluster_launcher(cfg: DictConfig) -> dict:
     cluster, launcher = cfg.cluster, cfg.cluster.launcher
-    worker_type = str(launcher.worker_machine_type).format(gpus=cluster.gpus_per_worker)
+    worker_type = str(launcher.worker_machine_type).format(gpus=cluster.gpus_per_node)
     return {
         "cluster_name": f"speculators-{cluster.name}".replace("_", "-"),
-        "max_workers": int(cluster.num_workers),
+        "max_workers": int(cluster.num_nodes),
         "idle_timeout_minutes": 30,
         "provider": {"type": "gcp", "region": launcher.region, "availability_zone": launcher.availability_zone,
                      "project_id": launcher.project_id},
@@ -49,7 +49,7 @@ def cluster_launcher(cfg: DictConfig) -> dict:
         "docker": _docker(cfg),
         "available_node_types": {
             "head": {"resources": {"CPU": 0}, "node_config": _node_config(launcher.head_machine_type, launcher)},
-            "gpu_worker": {"min_workers": int(cluster.num_workers), "max_workers": int(cluster.num_workers),
+            "gpu_worker": {"min_workers": int(cluster.num_nodes), "max_workers": int(cluster.num_nodes),
                            "resources": {DRIVER_RESOURCE: 1},
                            # The Deep Learning VM image installs the NVIDIA driver only when asked, on first boot;
                            # `docker run --gpus all` needs it.
@@ -71,5 +71,6 @@ def cluster_launcher(cfg: DictConfig) -> dict:
             "--autoscaling-config=~/ray_bootstrap_config.yaml"],
         "worker_start_ray_commands": [
             "ray stop",
-            f"RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379 --resources='{json.dumps({DRIVER_RESOURCE: 1})}'"],
+            "RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379 "
+            f"--resources='{json.dumps({DRIVER_RESOURCE: 1})}'"],
     }

@@ -11,11 +11,11 @@ from omegaconf import DictConfig
 
 from pipeline.config import compose, validate
 from pipeline.fsutil import atomic_write_text
-from pipeline.generation.verifier import resolve_verifier_path
 from pipeline.infra.kuberay import ray_cluster, ray_job, ray_service
 from pipeline.infra.launcher import cluster_launcher
 from pipeline.serving.job import serve_config_for
 from pipeline.tracking import tracking_uri
+from pipeline.verifier import resolve_verifier_path
 
 CLUSTER_SHAPES = ("a100_1x", "a100_2x", "a100_8x")
 EXPERIMENTS = ("qwen3_8b_peagle", "qwen3_30b_a3b_dflash", "gemma4_31b_dspark")

@@ -115,7 +115,8 @@ def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tea
     if callable(row_weights):
         if bias is not None:
             raise ValueError("blockwise_soft_cross_entropy: row weights computed from the losses cannot train a bias")
-        weights = (lambda losses: _normalised(row_weights(losses)))
+        def weights(losses: torch.Tensor) -> torch.Tensor:
+            return _normalised(row_weights(losses))
     elif row_weights is None:
         weights = torch.full((count,), 1.0 / max(count, 1), device=hidden.device)
     else:

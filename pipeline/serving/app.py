@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import PipelineError
-from pipeline.families import vllm_engine_options
 from pipeline.evaluation.vllm_runner import speculative_config
+from pipeline.families import vllm_engine_options
 from pipeline.serving.registry import ResolvedSpeculator, resolve
 
 IMPORT_PATH = "pipeline.serving.app:build_app"
@@ -75,9 +75,9 @@ def serve_config(serving: Any, llm: dict, speculator: Optional[dict]) -> dict:
 
 def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     """The LLM config with the resolved speculator's `speculative_config`; downloads it on first use."""
-    import mlflow
+    from pipeline.tracking import client_for
 
-    resolved = resolve(mlflow.MlflowClient(source.get("tracking_uri")), source["uri"], Path(source["download_dir"]))
+    resolved = resolve(client_for(source.get("tracking_uri")), source["uri"], Path(source["download_dir"]))
     k = source.get("num_speculative_tokens") or resolved.recommended_k
     if not k:
         raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")

@@ -15,7 +15,6 @@ import yaml
 from omegaconf import DictConfig
 
 from pipeline.context import Context
-from pipeline.errors import PipelineError
 from pipeline.export.stage import registered_model_name
 from pipeline.fsutil import atomic_write_text
 from pipeline.serving.app import build_app, llm_config, serve_config, speculator_source, with_speculator

@@ -94,11 +94,11 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
 
 def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
     """Fetch the speculator `uri` names into download_root (a folder per version or run)."""
-    from mlflow.exceptions import MlflowException
+    from pipeline.tracking import mlflow_errors_as
 
     check_model_uri(uri)
     model, run = MODEL_URI.match(uri), RUN_URI.match(uri)
-    try:
+    with mlflow_errors_as("serving.model", f"cannot resolve '{uri}'"):
         if model:
             name = model["name"]
             version = (client.get_model_version_by_alias(name, model["alias"]) if model["alias"]
@@ -113,8 +113,6 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             run_id, path = run["run_id"], run["path"]
             local = _download(client, run_id, path, download_root / f"run-{run_id}")
             tags, number = dict(client.get_run(run_id).data.tags), None
-    except MlflowException as error:
-        raise PipelineError(f"serving.model: cannot resolve '{uri}': {str(error).splitlines()[0]}") from error
     algorithm = json.loads((local / "config.json").read_text())["speculators_model_type"]
     return ResolvedSpeculator(uri=uri, local_dir=local, algorithm=algorithm, run_id=run_id, version=number,
                               tags=tags)

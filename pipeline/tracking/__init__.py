@@ -156,6 +156,38 @@ def _filter_literal(value: str) -> str:
     raise ValueError(f"{value!r} holds both quote characters: no MLflow search filter can name it")
 
 
+def client_for(uri: Optional[str]) -> Any:
+    """An MlflowClient of the tracking server at `uri` (None: MLFLOW_TRACKING_URI's), for code that holds only the
+    URI: a Ray worker, the serving job. Raises nothing until used."""
+    import mlflow
+
+    return mlflow.MlflowClient(uri)
+
+
+@contextlib.contextmanager
+def mlflow_errors_as(field: str, what: str) -> Iterator[None]:
+    """Turns an MlflowException raised inside the block into PipelineError("<field>: <what>: <its first line>")."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as error:
+        raise PipelineError(f"{field}: {what}: {str(error).splitlines()[0]}") from error
+
+
+def check_alias_name(alias: str, field: str) -> None:
+    """MLflow's own rules for a registry alias (characters, length, the reserved `latest` and `v<N>`); raises
+    PipelineError naming `field`."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved
+
+    try:
+        _validate_model_alias_name(alias)
+        _validate_model_alias_name_reserved(alias)
+    except MlflowException as error:
+        raise PipelineError(f"{field}: {error.message}") from None
+
+
 def log_metric_batch(client: Any, run_id: str, metrics: dict[str, float], step: Optional[int] = None) -> None:
     """One round trip for many metrics; usable from a Ray worker that only has the URI and the run id."""
     from mlflow.entities import Metric

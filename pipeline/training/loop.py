@@ -11,22 +11,33 @@ from typing import Any
 
 import torch
 
+from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
 from pipeline.data.store import load_manifest, read_samples, sample_locations
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
-from pipeline.evaluation.metrics import expected_tau
 from pipeline.integrity import seal
-from pipeline.tracking import log_metric_batch
+from pipeline.metrics import expected_tau
+from pipeline.tracking import client_for, log_metric_batch
 from pipeline.training import dist
-from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
 from pipeline.training.feed import plan_row, stream_micro_batches
 from pipeline.training.optim import (
-    deepspeed_grad_clip, deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers,
+    deepspeed_grad_clip,
+    deepspeed_optimizer,
+    deepspeed_param_groups,
+    lr_factor,
+    torch_optimizers,
 )
 from pipeline.training.order import GlobalOrder
 from pipeline.training.resume import (
-    DEEPSPEED_DIR, DEEPSPEED_TAG, OPTIMIZER_FILE, UNIVERSAL_TAG, ResumePoint,
-    convert_to_universal, micro_batch_for, needs_universal, read_resume_point,
+    DEEPSPEED_DIR,
+    DEEPSPEED_TAG,
+    OPTIMIZER_FILE,
+    UNIVERSAL_TAG,
+    ResumePoint,
+    convert_to_universal,
+    micro_batch_for,
+    needs_universal,
+    read_resume_point,
 )
 from pipeline.training.validation import split_validation, validate, validation_share
 
@@ -207,9 +218,7 @@ class MetricsSink:
     def __init__(self, tracking_uri: str | None, run_id: str | None):
         self.client = None
         if tracking_uri and run_id and dist.is_rank_zero():
-            import mlflow
-
-            self.client, self.run_id = mlflow.MlflowClient(tracking_uri), run_id
+            self.client, self.run_id = client_for(tracking_uri), run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.client is not None and metrics:

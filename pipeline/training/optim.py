@@ -77,8 +77,9 @@ def deepspeed_grad_clip(training: dict) -> float:
     clips the global norm of what it holds, which for a matrix is the update (Frobenius norm ~ sqrt(min(rows, cols)),
     ~150 over a one-layer drafter's matrices), not the gradient. A clip of 1.0 then shrank every step ~150x and the
     drafter did not learn (SmolLM2 EAGLE-3 on the default store, one worker, 75 steps: loss 9.3 and first-token
-    accuracy 0.01, against 4.1 and 0.30 without the clip). Muon's update size is fixed by muon_lr whatever the gradient's norm, and Adam's by lr up to its
-    moment estimates, so the clip is dropped rather than applied to the wrong tensor."""
+    accuracy 0.01, against 4.1 and 0.30 without the clip). Muon's update size is fixed by muon_lr whatever the
+    gradient's norm, and Adam's by lr up to its moment estimates, so the clip is dropped rather than applied to the
+    wrong tensor."""
     return 0.0 if training["optimizer"] == "muon" else float(training["grad_clip"])
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipeline.checkpoint import SPEC_FILE, STATE_FILE
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import is_intact, verify
-from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE
 
 DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -68,8 +68,8 @@ def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
     theirs, ours = drafter_identity(saved), drafter_identity(spec.to_dict())
     for key, value in ours.items():
         if theirs[key] != value:
-            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has {_difference(key, theirs[key], value)}"
-                                "; it cannot be resumed here")
+            raise PipelineError(f"training.resume_from: checkpoint '{folder}' has "
+                                f"{_difference(key, theirs[key], value)}; it cannot be resumed here")
 
 
 def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[ResumePoint]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.context import Context
 from pipeline.data.chat import tokenizer_fingerprint
 from pipeline.data.store import iter_trained_tokens, verify_store
@@ -18,11 +19,10 @@ from pipeline.drafters.vocab import most_frequent_tokens
 from pipeline.errors import PipelineError, remote_cause
 from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
-from pipeline.generation.verifier import verifier_stop_token_ids
 from pipeline.integrity import verify
-from pipeline.training.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
 from pipeline.training.loop import train_loop_per_worker
 from pipeline.training.resume import check_same_data_order, latest_complete_checkpoint, read_resume_point
+from pipeline.verifier import verifier_stop_token_ids
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The proxy (`val.proxy_tau`, from teacher-forced accuracy) misleads: on the defau
 gave 1.39. So at each checkpoint rank 0 decodes the prompts of a few validation samples (held out of training, the
 same samples val.proxy_tau scores) with the verifier and the checkpoint's drafter, loaded from the checkpoint's own
 files and rounded as the export stores it: exactly what the evaluate stage measures on that checkpoint.
-val.tau is the pooled τ of the metric spec (pipeline/evaluation/metrics.py: tokens per verifier forward over all
+val.tau is the pooled τ of the metric spec (pipeline/metrics.py: tokens per verifier forward over all
 requests), greedy, at K = evaluation.num_speculative_tokens.
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from pipeline.evaluation.measured_drafter import decoding_drafter
-from pipeline.evaluation.metrics import merged
+from pipeline.metrics import merged
 
 METRICS = ("val.tau", "val.alpha1")
 
@@ -44,7 +44,7 @@ class AcceptanceProbe:
 
     def _load(self):
         if self._verifier is None:
-            from pipeline.generation.verifier import load_verifier, stop_token_ids
+            from pipeline.verifier import load_verifier, stop_token_ids
 
             self._verifier, tokenizer = load_verifier(self.verifier_path, self.compute_dtype)
             self._stop_token_ids = stop_token_ids(tokenizer, self._verifier.generation_config)
@@ -56,7 +56,8 @@ class AcceptanceProbe:
         from pipeline.evaluation.reference_decoder import SpeculativeDecoder
 
         verifier = self._load()
-        drafter = decoding_drafter(checkpoint, self.confidence_threshold, verified=False)  # this rank's own, not yet sealed.to(verifier.device)
+        # this rank's own checkpoint, not yet sealed (no integrity record to verify against)
+        drafter = decoding_drafter(checkpoint, self.confidence_threshold, verified=False).to(verifier.device)
         decoder = SpeculativeDecoder(verifier, drafter, self.k)
         counts = []
         for start in range(0, len(self.prompts), self.batch_size):

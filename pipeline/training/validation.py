@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pipeline.evaluation.metrics import expected_tau
+from pipeline.metrics import expected_tau
 from pipeline.training import dist
 
 

@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_pipeline(root: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
-    """`python jobs/pipeline.py paths.root=<root> <overrides>` as a user runs it, with a local Ray and MLflow store
+    """`python jobs/run_pipeline.py paths.root=<root> <overrides>` as a user runs it, with a local Ray and MLflow store
     whatever the environment names; fails the test with the job's stderr tail on a non-zero exit."""
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    result = run_job([sys.executable, "jobs/pipeline.py", f"paths.root={root}", *overrides], timeout, cwd=REPO,
+    result = run_job([sys.executable, "jobs/run_pipeline.py", f"paths.root={root}", *overrides], timeout, cwd=REPO,
                      env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -27,7 +27,7 @@ def run_pipeline(root: Path, *overrides: str, timeout: int) -> subprocess.Comple
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> Path:
-    """The output root of `python jobs/pipeline.py` with no arguments. Tests that run more jobs on it add their own
+    """The output root of `python jobs/run_pipeline.py` with no arguments. Tests that run more jobs on it add their own
     keys (another drafter) or only reuse; the rerun test in test_pipeline_job.py checks nothing is recomputed."""
     root = tmp_path_factory.mktemp("default")
     run_pipeline(root, timeout=2700)

@@ -1,4 +1,4 @@
-"""The pipeline job as a user runs it: `python jobs/pipeline.py ...` in a subprocess, on the real SmolLM2."""
+"""The pipeline job as a user runs it: `python jobs/run_pipeline.py ...` in a subprocess, on the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from pipeline.config.schema import STAGE_NAMES
 from tests.e2e.conftest import run_pipeline
 
 # with test_vllm_generation.py's test on the same run: one xdist worker runs the default pipeline once
 pytestmark = pytest.mark.xdist_group("default_run")
 
-STAGES = {"prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote"}
+STAGES = set(STAGE_NAMES)
 
 
 def tracking(root: Path):

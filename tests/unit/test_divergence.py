@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.evaluation.divergence import first_difference, judge, rounding_step, fault_reason
+from pipeline.evaluation.divergence import fault_reason, first_difference, judge, rounding_step
 
 PROMPT = [5, 6, 7]
 REFERENCE, ONE_BF16_STEP_BELOW, CLEARLY_LOWER = 3, 8, 9
@@ -81,7 +81,7 @@ def test_outputs_of_different_length_are_a_fault_whatever_the_dtype(ours, theirs
 def test_the_vllm_stage_judges_with_the_real_verifier_at_the_first_differing_token(tiny_verifier_path):
     from pipeline.config import compose
     from pipeline.evaluation.vllm_check import judge_divergences
-    from pipeline.generation.verifier import load_verifier
+    from pipeline.verifier import load_verifier
 
     verifier, _ = load_verifier(tiny_verifier_path)
     prompt = [3, 4, 5, 6]

@@ -63,8 +63,8 @@ def test_a_trained_embedding_moves_and_travels_in_checkpoint_and_export(algorith
     checkpoint holds it (the frozen head stays out), and the export carries the trained rows, not the verifier's."""
     from safetensors.torch import load_file
 
+    from pipeline.checkpoint import WEIGHTS_FILE, load_trainable_weights, save_checkpoint
     from pipeline.export.speculators_format import export_speculators
-    from pipeline.training.checkpoint import WEIGHTS_FILE, load_trainable_weights, save_checkpoint
 
     frozen = tiny_drafter(algorithm)
     assert "embed_tokens.weight" not in frozen.trainable_state_dict()
@@ -332,3 +332,30 @@ def test_dflash_trains_on_the_greedy_token_with_dpace_weights():
         losses.append(loss.item())
     assert not torch.isclose(torch.tensor(losses[0]), default.detach(), rtol=1e-3)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+def test_every_registered_drafter_meets_the_drafter_protocol():
+    """The contract pipeline/drafters/protocol.py states, checked on each registered class and a built instance."""
+    from dataclasses import fields
+
+    from pipeline.drafters import DRAFTERS
+    from pipeline.drafters.protocol import Drafter
+
+    for name, cls in DRAFTERS.items():
+        assert cls.algorithm == name and cls.config_class.name == name
+        own = {spec.name for spec in fields(cls.config_class)}
+        assert set(cls.extra_keys) <= own, (name, set(cls.extra_keys) - own)  # spec.extra comes from its options
+        assert isinstance(tiny_drafter(name), Drafter)
+
+
+def test_an_option_a_caller_leaves_out_is_the_drafters_schema_default():
+    """training_loss reads its options over the drafter's own schema (config_class): one default per option, the
+    schema's (the loss code kept a second one, 1.0 for depth_keep_decay against the schema's 0.8)."""
+    from pipeline.drafters import DRAFTERS
+
+    peagle = DRAFTERS["peagle"].resolved_options({"max_anchors": 3})
+    assert peagle["depth_keep_decay"] == DRAFTERS["peagle"].config_class.depth_keep_decay == 0.8
+    assert peagle["max_anchors"] == 3
+    dflash = DRAFTERS["dflash"].resolved_options({})
+    assert (dflash["loss_decay_gamma"], dflash["distill_target"]) == (7.0, "distribution")
+    assert "depth_keep_decay" not in DRAFTERS["eagle3"].resolved_options({})  # not an EAGLE-3 option

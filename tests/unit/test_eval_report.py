@@ -16,7 +16,7 @@ from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
 from pipeline.evaluation.vllm_check import compare, served_figures
-from pipeline.generation.verifier import load_verifier
+from pipeline.verifier import load_verifier
 from tests.conftest import write_jsonl
 from tests.unit.test_reference_decoder import PROMPTS, OracleDrafter, drafter_for, prompt_tokens
 

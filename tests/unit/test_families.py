@@ -35,7 +35,7 @@ def tiny_verifier_cfg(family: str, cache: Path):
 @pytest.fixture(scope="module")
 def tiny_family_paths(tmp_path_factory):
     """Both tiny families built once through verifier.tiny, as a job resolves them."""
-    from pipeline.generation.verifier import resolve_verifier_path
+    from pipeline.verifier import resolve_verifier_path
 
     cache = tmp_path_factory.mktemp("verifiers")
     return {family: resolve_verifier_path(tiny_verifier_cfg(family, cache)) for family in TINY_FAMILIES}
@@ -94,7 +94,7 @@ def test_a_tiny_family_verifier_is_built_once_with_the_familys_tokenizer_and_sto
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.families import load_verifier_config
-    from pipeline.generation.verifier import resolve_verifier_path, verifier_stop_token_ids
+    from pipeline.verifier import resolve_verifier_path, verifier_stop_token_ids
 
     path = tiny_family_paths[family]
     config = load_verifier_config(path)  # the text model's config, with the checkpoint's architectures

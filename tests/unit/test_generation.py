@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from pipeline.data.store import (
-    iter_samples, projected_store_bytes, verify_store, write_manifest, write_shard,
+    iter_samples,
+    projected_store_bytes,
+    verify_store,
+    write_manifest,
+    write_shard,
 )
 from pipeline.errors import PipelineError
 from pipeline.generation.batching import pack_by_token_budget

@@ -14,12 +14,12 @@ import yaml
 
 from pipeline.config import compose, validate
 from pipeline.errors import PipelineError
-from pipeline.generation.verifier import resolve_verifier_path
 from pipeline.infra.kuberay import DRIVER_RESOURCE, pipeline_entrypoint
 from pipeline.infra.render import CLUSTER_SHAPES, EXPERIMENTS, rendered_files
 from pipeline.infra.schemas import file_problems, manifest_problems
 from pipeline.serving.job import serve_config_for
 from pipeline.tracking import tracking_uri
+from pipeline.verifier import resolve_verifier_path
 
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
@@ -98,18 +98,20 @@ def test_each_experiment_composes_with_gpu_counts_that_match_its_cluster(experim
     validate(cfg)
     cluster = cfg.cluster
     assert cfg.drafter.name == drafter and cfg.verifier.path and cfg.verifier.compute_dtype == "bfloat16"
-    assert cluster.num_workers * cluster.gpus_per_worker == gpus == cfg.training.num_workers
+    assert cluster.num_nodes * cluster.gpus_per_node == gpus == cfg.training.num_workers
     assert cfg.generation.num_actors * cfg.generation.tensor_parallel_size <= gpus
     assert cfg.generation.tensor_parallel_size == cfg.serving.tensor_parallel_size == tensor_parallel
     assert cfg.serving.autoscaling.max_replicas * tensor_parallel <= gpus
     assert cfg.evaluation.datasets == ["held_out", eval_set]
-    assert cfg.tracking.tracking_uri == cluster.mlflow_uri and cfg.paths.root.startswith(cluster.kubernetes.shared_mount)
+    assert cfg.tracking.tracking_uri == cluster.mlflow_uri
+    assert cfg.paths.root.startswith(cluster.kubernetes.shared_mount)
     job = load(INFRA / "k8s" / f"rayjob-{experiment}.yaml")["spec"]
     workers = job["rayClusterSpec"]["workerGroupSpecs"][0]
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert workers["replicas"] * int(limits["nvidia.com/gpu"]) == gpus
     assert job["entrypoint"] == pipeline_entrypoint(cfg) and f"experiment={experiment}" in job["entrypoint"]
-    assert json.loads(job["entrypointResources"]) == {DRIVER_RESOURCE: 1} and workers["resources"] == {DRIVER_RESOURCE: "1"}
+    assert json.loads(job["entrypointResources"]) == {DRIVER_RESOURCE: 1}
+    assert workers["resources"] == {DRIVER_RESOURCE: "1"}
 
 
 def test_render_time_overrides_reach_the_job_but_manifest_only_ones_do_not():
@@ -117,7 +119,7 @@ def test_render_time_overrides_reach_the_job_but_manifest_only_ones_do_not():
                  "cluster.kubernetes.image=registry.example/pipeline:1", "data.system_prompt=Be brief."]
     files = rendered_files(overrides, experiments=("qwen3_8b_peagle",), shapes=())
     job = yaml.safe_load(files["k8s/rayjob-qwen3_8b_peagle.yaml"])["spec"]
-    assert job["entrypoint"] == ("python /app/jobs/pipeline.py experiment=qwen3_8b_peagle "
+    assert job["entrypoint"] == ("python /app/jobs/run_pipeline.py experiment=qwen3_8b_peagle "
                                  "cluster.mlflow_uri=http://mlflow.example:5000 training.max_steps=5 "
                                  "'data.system_prompt=Be brief.'")
     head = job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
@@ -140,7 +142,7 @@ def test_gpu_counts_that_do_not_fit_the_cluster_are_refused_by_name(override, fi
 
 def test_tensor_parallel_groups_must_fit_inside_one_node():
     # 2 nodes x 3 GPUs: 6 GPUs, but only 2 engines of 2 GPUs fit (one per node), not 3.
-    shape = ["experiment=qwen3_30b_a3b_dflash", "cluster.num_workers=2", "cluster.gpus_per_worker=3",
+    shape = ["experiment=qwen3_30b_a3b_dflash", "cluster.num_nodes=2", "cluster.gpus_per_node=3",
              "training.num_workers=6"]
     validate(compose([*shape, "generation.num_actors=2"]))
     with pytest.raises(PipelineError, match="generation.num_actors: 3 verifier actors of 2 GPU"):
@@ -157,8 +159,8 @@ def test_the_cluster_launcher_configs_are_what_ray_up_accepts(shape):
     validate_config(prepare_config(copy.deepcopy(launcher)))  # what `ray up` runs before it talks to the cloud
     cfg = compose([f"cluster={shape}"])
     worker = launcher["available_node_types"]["gpu_worker"]
-    assert worker["min_workers"] == worker["max_workers"] == cfg.cluster.num_workers
-    assert worker["node_config"]["machineType"].endswith(f"-{cfg.cluster.gpus_per_worker}g")
+    assert worker["min_workers"] == worker["max_workers"] == cfg.cluster.num_nodes
+    assert worker["node_config"]["machineType"].endswith(f"-{cfg.cluster.gpus_per_node}g")
     assert worker["resources"] == {DRIVER_RESOURCE: 1}
     broken = copy.deepcopy(launcher)
     broken["available_node_types"]["gpu_worker"]["min_workers"] = "one"
@@ -224,13 +226,15 @@ def test_each_pod_gets_only_the_secrets_its_work_reads():
     k8s = compose([]).cluster.kubernetes
     secrets = {name: {where: envfrom_secrets(pod) for document in yaml.safe_load_all((INFRA / "k8s" / name).read_text())
                       for where, pod in pod_specs(document)}
-               for name in ("raycluster-a100_2x.yaml", "rayjob-qwen3_8b_peagle.yaml", "rayservice-qwen3_8b_peagle.yaml")}
+               for name in ("raycluster-a100_2x.yaml", "rayjob-qwen3_8b_peagle.yaml",
+                            "rayservice-qwen3_8b_peagle.yaml")}
     training_worker = {k8s.hf_secret, k8s.mlflow_secret}
     for name in ("raycluster-a100_2x.yaml", "rayjob-qwen3_8b_peagle.yaml"):
         # the head runs no job (num-cpus 0) and so holds no secret; no training pod holds the serving API key
         assert secrets[name].pop("head") == set(), name
         assert all(got == training_worker for got in secrets[name].values()), (name, secrets[name])
-    assert all(got == training_worker | {k8s.serving_secret} for got in secrets["rayservice-qwen3_8b_peagle.yaml"].values())
+    served = secrets["rayservice-qwen3_8b_peagle.yaml"].values()
+    assert all(got == training_worker | {k8s.serving_secret} for got in served)
     # the MLflow server and its database read only their own secrets, never the Ray pods'
     mlflow_pods = {where: pod for document in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
                    for where, pod in pod_specs(document)}

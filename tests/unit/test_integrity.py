@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.checkpoint import STATE_FILE, WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from pipeline.errors import PipelineError
 from pipeline.integrity import seal, verify
-from pipeline.training.checkpoint import STATE_FILE, WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from pipeline.training.resume import latest_complete_checkpoint, read_resume_point
 from tests.unit.tiny_drafters import tiny_drafter
 

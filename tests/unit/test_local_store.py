@@ -4,7 +4,6 @@ points at the new store (not the template's folder), and an existing store is ne
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 
 import mlflow
 

@@ -11,8 +11,16 @@ import logging.config
 
 import pytest
 
-from pipeline.logs import (KNOWN_NOISE, RAY_TRAIN_CONTEXT_LOGGER, LineWriter, Noise, NoiseFilter,
-                           install_noise_filters, progress_bar, ray_runtime_env)
+from pipeline.logs import (
+    KNOWN_NOISE,
+    RAY_TRAIN_CONTEXT_LOGGER,
+    LineWriter,
+    Noise,
+    NoiseFilter,
+    install_noise_filters,
+    progress_bar,
+    ray_runtime_env,
+)
 
 CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 CONTEXT = RAY_TRAIN_CONTEXT_LOGGER

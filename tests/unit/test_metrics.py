@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.evaluation.metrics import AcceptanceCounts, expected_tau, per_request_tau, pooled_tau
+from pipeline.metrics import AcceptanceCounts, expected_tau, per_request_tau, pooled_tau
 
 
 def counts(steps, k=3):

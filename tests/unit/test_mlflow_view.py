@@ -12,17 +12,17 @@ import mlflow
 import pytest
 from safetensors.torch import save_file
 
+from pipeline.checkpoint import save_checkpoint
 from pipeline.config import compose
 from pipeline.context import Context
+from pipeline.drafters.build import build_drafter
+from pipeline.errors import PipelineError
 from pipeline.export import stage as export_stage
 from pipeline.export.model_card import model_card
 from pipeline.export.speculators_format import export_digest
-from pipeline.paths import StagePaths
-from pipeline.errors import PipelineError
-from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, child_run_name, parent_run_name
 from pipeline.integrity import seal
-from pipeline.training.checkpoint import save_checkpoint
-from pipeline.drafters.build import build_drafter
+from pipeline.paths import StagePaths
+from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, child_run_name, parent_run_name
 from tests.unit.tiny_drafters import tiny_spec, verifier_tensors
 
 LINEAGE = {"lineage.prompts_key": "p1", "lineage.regenerated_key": "r1", "lineage.store_key": "s1",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.training.checkpoint import save_checkpoint
+from pipeline.checkpoint import save_checkpoint
 from pipeline.training.loop import Engine
 from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
 from pipeline.training.resume import ResumePoint

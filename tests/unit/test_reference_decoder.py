@@ -7,7 +7,7 @@ import torch
 
 from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches, verifier_greedy
-from pipeline.generation.verifier import load_verifier
+from pipeline.verifier import load_verifier
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -20,13 +20,10 @@ PROMPTS = [
 
 
 def drafter_for(verifier_path, verifier, tokenizer, num_drafts=4, seed=0, algorithm="peagle", **overrides):
-    from omegaconf import OmegaConf
-
-    from pipeline.config.schema import DrafterConfig
+    from pipeline.drafters import drafter_config
 
     torch.manual_seed(seed)
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig),
-                          {"name": algorithm, "num_speculative_tokens": num_drafts, **overrides})
+    cfg = drafter_config(algorithm, num_speculative_tokens=num_drafts, **overrides)
     spec = make_spec(cfg, verifier.config, "v", verifier_path, default_mask_token_id(tokenizer))
     return build_drafter(spec).eval()
 

@@ -89,11 +89,12 @@ def test_the_speculative_decoder_samples_as_the_verifier_does_at_temperature_one
                                        seed=0)
     runs = 1500  # enough for a chi-square test to catch a wrong acceptance rule at p < 1e-3 at each position
     counts = torch.zeros(3, VOCAB)
+    decoder_counts = None
     for _ in range(runs):
         tokens, step_counts = decoder.generate(PROMPT, max_new_tokens=3, stop_token_ids=())
         for position in range(3):
             counts[position, tokens[position]] += 1
-        decoder_counts = step_counts if _ == 0 else decoder_counts.merge(step_counts)
+        decoder_counts = step_counts if decoder_counts is None else decoder_counts.merge(step_counts)
     assert 0.05 < decoder_counts.accepted_tokens / decoder_counts.proposed_tokens < 0.95  # both branches ran
     for position, exact in enumerate(exact_marginals(small_verifier, 3)):
         assert chi_square_p_value(counts[position], exact) > 1e-3, (position, counts[position], exact)

@@ -15,8 +15,8 @@ from pipeline.errors import PipelineError
 from pipeline.integrity import seal
 from pipeline.serving.app import IMPORT_PATH, llm_config, speculator_source, with_speculator
 from pipeline.serving.guard import RequestGuard, request_problem
-from pipeline.serving.metrics import served_metrics, spec_decode_counters
 from pipeline.serving.job import serve_config_for
+from pipeline.serving.metrics import served_metrics, spec_decode_counters
 from pipeline.serving.registry import resolve, served_model_name
 from pipeline.tracking import Tracker
 
@@ -93,7 +93,8 @@ def test_serve_config_comes_from_the_hydra_config(tmp_path):
     assert "speculative_config" not in llm["engine_kwargs"]  # added where the app is built, once resolved
     assert llm["accelerator_config"] == {"kind": "cpu"}
     assert llm["deployment_config"]["autoscaling_config"]["target_ongoing_requests"] == 8
-    pinned = serve_config_for(compose(["serving.model=models:/other/7", "serving.num_speculative_tokens=2"]), "/v", None)
+    pinned = serve_config_for(compose(["serving.model=models:/other/7", "serving.num_speculative_tokens=2"]), "/v",
+                              None)
     assert pinned["applications"][0]["args"]["llm_config"]["model_loading_config"]["model_id"] == "other"
     assert pinned["applications"][0]["args"]["speculator"]["num_speculative_tokens"] == 2
     plain = serve_config_for(compose(["serving.speculative=false"]), "/v", None)

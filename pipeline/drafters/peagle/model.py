@@ -7,17 +7,36 @@ depth_keep_decay**d of the anchors (draft-block sparsification) so near position
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from pipeline.drafters.chains import inference_rows
 from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.eagle_family import EagleFamilyDrafter
+from pipeline.drafters.peagle.config import PEagleConfig
+from pipeline.errors import PipelineError
 
 
 class PEagleDrafter(EagleFamilyDrafter):
     algorithm = "peagle"
+    config_class = PEagleConfig
     sparsifies_depth = True
+    speculators_architecture = "PEagleSpeculator"
+
+    @classmethod
+    def vllm_method(cls) -> dict[str, Any]:
+        """vLLM runs P-EAGLE as an EAGLE-3 model drafting all positions in parallel."""
+        return {"method": "eagle3", "parallel_drafting": True}
+
+    @classmethod
+    def export_fields(cls, spec: DrafterSpec) -> dict[str, Any]:
+        return {**super().export_fields(spec), "mask_token_id": spec.mask_token_id}
+
+    def check_exportable(self) -> None:
+        if "mask_hidden" not in self.state_dict():
+            raise PipelineError("export: a P-EAGLE checkpoint needs mask_hidden (vLLM refuses to load without it)")
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec)

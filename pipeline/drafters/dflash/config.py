@@ -1,0 +1,42 @@
+"""DFlash's options: the `drafter=dflash` schema, which DSpark's extends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pipeline.config.schema import DrafterConfig
+
+
+@dataclass
+class DFlashConfig(DrafterConfig):
+    name: str = "dflash"
+    # Token whose embedding fills a block's mask positions. null -> the verifier's unk/pad/eos token.
+    mask_token_id: Optional[int] = None
+    # Attention inside a block is bidirectional (the DFlash paper, arXiv:2602.06036); true makes it causal.
+    causal_block: bool = False
+    # Loss weight of draft j is exp(-j / loss_decay_gamma) (position_weighting "decay").
+    loss_decay_gamma: float = 7.0
+    # "dpace" weighs each draft by what the block's expected accepted length gains from it, from the rows' own
+    # losses (speculators' D-PACE, its DFlash default; needs distill_target "argmax"), smoothed by dpace_alpha.
+    position_weighting: str = "decay"
+    dpace_alpha: float = 0.5
+    # What a draft learns from the verifier: its next-token "distribution" (soft cross-entropy) or its greedy token
+    # ("argmax": cross-entropy on it, speculators' `ce`, its DFlash default).
+    distill_target: str = "distribution"
+
+    def validate(self) -> None:
+        """D-PACE reads each draft's probability of the verifier's greedy token, which only the argmax target's
+        loss computes."""
+        from pipeline.errors import require
+
+        super().validate()
+        require(self.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
+        require(self.distill_target in ("distribution", "argmax"),
+                "drafter.distill_target: must be 'distribution' or 'argmax'")
+        require(self.position_weighting in ("decay", "dpace"),
+                "drafter.position_weighting: must be 'decay' or 'dpace'")
+        require(self.position_weighting == "decay" or self.distill_target == "argmax",
+                "drafter.position_weighting: 'dpace' needs drafter.distill_target=argmax (its weights read the "
+                "drafter's probability of the verifier's greedy token)")
+        require(0.0 <= self.dpace_alpha < 1.0, "drafter.dpace_alpha: must be in [0, 1)")

@@ -1,0 +1,26 @@
+"""DSpark's options: DFlash's plus the Markov logit bias and the confidence head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.drafters.dflash.config import DFlashConfig
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    name: str = "dspark"
+    # Rank of the Markov (previous-token) logit bias.
+    markov_rank: int = 64
+    # Weight of the confidence head's loss (the head truncates the block at decoding time,
+    # evaluation.confidence_threshold).
+    confidence_loss_weight: float = 1.0
+
+    def validate(self) -> None:
+        """D-PACE is DFlash's: DSpark's Markov bias takes its gradient from fixed position weights."""
+        from pipeline.errors import require
+
+        super().validate()
+        require(self.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
+        require(self.confidence_loss_weight >= 0, "drafter.confidence_loss_weight: must be >= 0")
+        require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dspark's")

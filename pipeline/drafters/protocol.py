@@ -1,0 +1,41 @@
+"""What every drafter class offers the rest of the pipeline (training, the reference decoder, export).
+
+A drafter lives in pipeline/drafters/<name>/: its options (config.py, a DrafterConfig subclass), its model and loss
+(model.py). The registry (pipeline/drafters/__init__.py) maps `name` -> class; `name` is the checkpoint's
+`speculators_model_type`. Shapes: T context positions, A aux layers, H the verifier's hidden size, K drafts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    algorithm: ClassVar[str]  # the registry name == speculators_model_type
+    config_class: ClassVar[type]  # its options: what `drafter=<algorithm>` composes
+    extra_keys: ClassVar[tuple[str, ...]]  # options copied into spec.extra (architecture and decoding choices)
+
+    @staticmethod
+    def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
+        """The verifier layer ids it fuses when drafter.aux_layer_ids is null (id i = after i layers)."""
+        ...
+
+    @staticmethod
+    def adapt_layer_config(verifier_layer_config: dict[str, Any]) -> dict[str, Any]:
+        """Its transformer_layer_config from the verifier's (the export's key of that name)."""
+        ...
+
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """samples: dicts of aux [T, A*H], last [T, H] (the verifier's final normed hidden state), input_ids [T],
+        loss_mask [T]; options: its config as a dict (resolved over config_class's defaults). Returns (scalar
+        loss, correct [K], total [K]): teacher-forced matches of draft k with the verifier's greedy token."""
+        ...
+
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """Greedy drafts after one sequence's context: aux_hidden [1, T, A*H], next_ids [1, T] (the token after
+        each position) -> [n] verifier token ids, n <= num_drafts (DSpark may truncate)."""
+        ...
