@@ -24,7 +24,7 @@ def run_script(job: str, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def test_unknown_config_key_fails_the_job_naming_the_key(tmp_path):
-    result = run_script("pipeline", "training.no_such_option=3", f"paths.root={tmp_path}")
+    result = run_script("run_pipeline", "training.no_such_option=3", f"paths.root={tmp_path}")
     assert result.returncode != 0
     assert "no_such_option" in result.stderr
 
