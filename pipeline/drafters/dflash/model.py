@@ -199,7 +199,7 @@ class DFlashDrafter(DrafterBase):
 
     def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
                       generator: torch.Generator | None = None):
-        return block_loss(self, samples, options, generator)[:3]
+        return block_loss(self, samples, self.resolved_options(options), generator)[:3]
 
 
 def _row_weights(options: dict[str, Any], block_of_row: torch.Tensor, draft_of_row: torch.Tensor, num_blocks: int,
@@ -216,11 +216,11 @@ def _row_weights(options: dict[str, Any], block_of_row: torch.Tensor, draft_of_r
 
 def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
                generator: torch.Generator | None = None):
-    """Position-decayed distillation over random anchor blocks.
+    """Position-decayed distillation over random anchor blocks. options: resolved over the drafter's schema
+    (DrafterBase.resolved_options; both callers' training_loss resolve them once).
 
     Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's heads need.
     """
-    options = model.resolved_options(options)
     num_drafts, bs = model.spec.num_speculative_tokens, model.block_size
     anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options["max_anchors"], generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
