@@ -29,13 +29,16 @@ def free_port() -> int:
 def ray_head(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     ray_bin = str(Path(sys.executable).parent / "ray")
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     temp_dir = Path("/tmp") / f"ray-e2e-{gcs_port}"  # short: Ray's socket paths must stay under 108 bytes
     # Its own session: every daemon `ray start` leaves behind keeps that session id, so the teardown stops this head
     # alone (`ray stop --force` kills every Ray on the machine: a developer's own, or another test's).
+    # The job agent's HTTP port defaults to 52365 for every Ray on the machine: when another test's local Ray holds it,
+    # this head's agent never registers and every submission is refused ('No available agent'). Hence a free port.
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=2",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+         f"--dashboard-agent-listen-port={agent_port}", f"--temp-dir={temp_dir}",
          f"--resources={driver_resources()}", "--disable-usage-stats"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _, stderr = head.communicate(timeout=180)
