@@ -8,7 +8,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.common import DrafterBase, DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import verify
 
@@ -32,7 +32,7 @@ def load_trainable_weights(model: Any, folder: Path) -> None:
                             f"unexpected {unexpected}")
 
 
-def load_checkpoint(folder: Path, verified: bool = True):
+def load_checkpoint(folder: Path, verified: bool = True) -> tuple[DrafterBase, dict[str, Any]]:
     """(model with trained weights, train state); refuses a folder that is not a complete checkpoint, or (verified)
     whose files are not those its integrity records list (pipeline/integrity.py). verified=False only for a folder
     this process has just written and not sealed yet (val.tau at a checkpoint)."""

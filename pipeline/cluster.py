@@ -32,7 +32,7 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     # One node that nothing drains: Ray Train's preemption watcher has nothing to watch, and creating it logs a
     # core_worker ERROR about actor restarts (ray-project/ray#53727).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
+    extra: dict[str, Any] = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
     ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
              runtime_env=ray_runtime_env(), **extra)
     _started_locally = True

@@ -9,6 +9,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder
 from pipeline.paths import StagePaths
 from pipeline.tracking import Tracker
@@ -37,6 +38,13 @@ class Context:
         return PromptWriter(path=self.verifier_path, identity=self.paths.verifier_identity,
                             compute_dtype=self.cfg.verifier.compute_dtype,
                             cache_root=self.paths.root / "synthetic", cluster=self.cfg.cluster)
+
+    def tracking(self, what: str) -> Tracker:
+        """The tracker, for a step that cannot run untracked (`what` names it). Raises PipelineError when this
+        context was created with track=False."""
+        if self.tracker is None:
+            raise PipelineError(f"{what}: needs MLflow tracking (this job runs untracked)")
+        return self.tracker
 
     def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
         if self.tracker:

@@ -66,7 +66,7 @@ def _records(folder: Path) -> list[dict]:
         except (OSError, ValueError):
             record = None
         if not (isinstance(record, dict) and isinstance(record.get("files"), dict)
-                and isinstance(record.get("world_size"), int)):
+                and isinstance(record.get("world_size"), int) and isinstance(record.get("rank"), int)):
             raise PipelineError(f"integrity: '{path}' is not a readable integrity record")
         records.append(record)
     return records
@@ -81,7 +81,7 @@ def verify(folder: Path, what: str = "checkpoint") -> None:  # what: the field o
         raise PipelineError(f"{what}: '{folder}' has no integrity record ({RECORD_PREFIX}<rank>.json); it was not "
                             "written by this pipeline's training, or not completely")
     world_size = records[0]["world_size"]
-    ranks = sorted(record.get("rank") for record in records)
+    ranks = sorted(record["rank"] for record in records)
     if ranks != list(range(world_size)) or any(r["world_size"] != world_size for r in records):
         raise PipelineError(f"{what}: '{folder}' holds the records of ranks {ranks} of a world of {world_size}; "
                             "some rank's files are missing")

@@ -76,13 +76,19 @@ def _evaluate(ctx: Context, results: dict, run_id: str) -> Any:
     return stage.run(ctx, _final_checkpoint(ctx, results), held_out, set(train["sample_id"]))
 
 
-def _report(ctx: Context, results: dict, required_by: str | None = None) -> dict | None:
+def _report(ctx: Context, results: dict) -> dict | None:
+    """This job's evaluation report, or an earlier job's of the same evaluation, or None."""
     from pipeline.evaluation.stage import load_report
 
     report = results.get("evaluate")
     if report is None and (ctx.paths.evaluation / "report.json").is_file():
         report = load_report(ctx.paths.evaluation)
-    if report is None and required_by:
+    return report
+
+
+def _required_report(ctx: Context, results: dict, required_by: str) -> dict:
+    report = _report(ctx, results)
+    if report is None:
         raise PipelineError(f"{required_by}: no evaluation report at {ctx.paths.evaluation}; run the evaluate stage")
     return report
 
@@ -105,7 +111,7 @@ def _vllm_eval(ctx: Context, results: dict, run_id: str) -> Any:
     from pipeline.evaluation import vllm_check
     from pipeline.evaluation.stage import load_requests
 
-    report = _report(ctx, results, "vllm_eval")
+    report = _required_report(ctx, results, "vllm_eval")
     export_dir = Path((results.get("export") or {}).get("path") or ctx.paths.export)
     if not (export_dir / "config.json").is_file():
         raise PipelineError(f"vllm_eval: no exported checkpoint at {export_dir}; run the export stage")
@@ -121,8 +127,8 @@ def _promote(ctx: Context, results: dict, run_id: str) -> Any:
         log.warning("promote: skipped: %s", reason)
         ctx.set_tags({"gate.decision": "skipped", "gate.reason": reason})
         return {"promoted": False, "reason": reason}
-    report = _report(ctx, results, "promote")
-    decision = gate.promote(ctx.tracker, exported["registered_model"], exported["version"], report,
+    report = _required_report(ctx, results, "promote")
+    decision = gate.promote(ctx.tracking("promote"), exported["registered_model"], exported["version"], report,
                             results.get("vllm_eval") or vllm_check.load_result(ctx.paths.evaluation),
                             ctx.cfg.evaluation.gate)
     ctx.set_tags({"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason})
@@ -151,7 +157,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_configured_aux_layers(cfg.drafter, ctx.verifier_path)
     results: dict[str, Any] = {}
     times = StageTimes()
-    with ctx.tracker.parent_run(job) as parent_run_id:
+    with ctx.tracking(job).parent_run(job) as parent_run_id:
         results["_parent_run_id"] = parent_run_id
         completed = False
         try:
@@ -168,7 +174,8 @@ def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> No
     log.info("stage %s", stage)
     start = time.perf_counter()
     try:
-        with stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage)), ctx.tracker.child_run(stage) as run_id:
+        lock = stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage))
+        with lock, ctx.tracking(stage).child_run(stage) as run_id:
             results[stage] = STAGES[stage](ctx, results, run_id)
     except BaseException:
         seconds = times.add(stage, time.perf_counter() - start, failed=True)

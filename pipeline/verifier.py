@@ -164,7 +164,7 @@ def gguf_tokenizer(gguf_path: Path, chat_template: str | None = None) -> Any:
     if _gguf_says_add_bos(gguf_path) and not tokenizer.add_bos_token:
         # transformers' GGUF tokenizer drops the file's add_bos_token. Gemma without its BOS writes nonsense
         # ("The capital of France is France of France ..."), in transformers and in vLLM alike.
-        tokenizer.add_bos_token = True
+        tokenizer.add_bos_token = True  # type: ignore[misc]  # read-only in the stubs, settable at run time
     if tokenizer.chat_template is None and chat_template:
         tokenizer.chat_template = chat_template_text(chat_template)
     return tokenizer
@@ -245,7 +245,7 @@ def load_verifier(path: str, dtype: str = "float32"):
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    model.to(compute_device()).eval().requires_grad_(False)
+    model.to(compute_device()).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers' wrapped .to
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

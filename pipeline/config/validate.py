@@ -34,7 +34,7 @@ def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
         child_schema = fields[key].type
         if isinstance(child_schema, str):
             child_schema = getattr(schema_module, child_schema, None)
-        if dataclasses.is_dataclass(child_schema):
+        if isinstance(child_schema, type) and dataclasses.is_dataclass(child_schema):
             _check_known_keys(node[key], child_schema, f"{prefix}{key}.")
 
 
@@ -114,7 +114,9 @@ def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:
     _require(OmegaConf.get_type(drafter) is schema,
              f"drafter.name: '{drafter.name}' needs its own options ({schema.__name__}): choose it with "
              f"drafter={drafter.name}, not drafter.name={drafter.name}")
-    OmegaConf.to_object(drafter).validate()
+    options = OmegaConf.to_object(drafter)
+    assert isinstance(options, schema)  # the type check above: its own structured schema
+    options.validate()
 
 
 def _validate_evaluation(evaluation: DictConfig) -> None:

@@ -119,7 +119,11 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
 
     writer: the verifier that writes the prompts of the `synthetic` and `general` sources (PipelineError without
     it)."""
-    rows, seen, skipped, dropped, duplicates, total = [], set(), Counter(), Counter(), 0, 0
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    skipped: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    duplicates = total = 0
     for where, row in _load_raw(data_cfg, writer):
         total += 1
         try:
@@ -139,8 +143,8 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
         rows.append({"sample_id": sample_id, "messages": messages})
     for problem, count in skipped.items():
         log.warning("data: skipped %d conversations: %s", count, problem)
-    for reason, count in dropped.items():
-        log.info("data: left out %d turns: %s", count, reason)
+    for why, count in dropped.items():
+        log.info("data: left out %d turns: %s", count, why)
     if duplicates:
         log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
     if total == 0:

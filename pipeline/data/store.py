@@ -93,8 +93,13 @@ def write_shard(store_dir: Path, samples: list[dict[str, Any]], layer_ids: list[
 
 
 def _as_read(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Hidden rows as readers see them: fp8 rows dequantized to bf16, other dtypes as stored."""
-    return dequantize_fp8(values, scale) if values.dtype == FP8 else values
+    """Hidden rows as readers see them: fp8 rows dequantized to bf16, other dtypes as stored. Raises PipelineError
+    for fp8 rows stored without their scale."""
+    if values.dtype != FP8:
+        return values
+    if scale is None:
+        raise PipelineError("store: a shard holds fp8 hidden states without their scale; capture it again")
+    return dequantize_fp8(values, scale)
 
 
 def _read_hidden(handle: Any, layer_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
@@ -131,7 +131,9 @@ def synthesize(folder: Path, tokenizer: Any, generate: Callable[[list[list[int]]
 
     folder.mkdir(parents=True, exist_ok=True)
     special = [t for t in tokenizer.all_special_tokens if t]
-    rows, seen, problems = [], set(), Counter()
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    problems: Counter[str] = Counter()
     batches = (per_domain + batch_size - 1) // batch_size
     progress = progress_bar(batches * len(domains), "data.synthetic", unit="batch")
     for domain_index, (domain, system_prompt) in enumerate(domains.items()):
@@ -202,7 +204,8 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
     from pipeline.cluster import ensure_ray, get_remote
     from pipeline.paths import content_key
 
-    settings = dict(OmegaConf.to_container(synth_cfg, resolve=True) if OmegaConf.is_config(synth_cfg) else synth_cfg)
+    settings = dict(cast(dict, OmegaConf.to_container(synth_cfg, resolve=True))
+                    if OmegaConf.is_config(synth_cfg) else synth_cfg)
     settings["system_prompts"] = {d: settings["system_prompts"][d] for d in settings["domains"]}  # only those used
     folder = writer.cache_root / content_key(settings, writer.identity, writer.compute_dtype)
     ensure_ray(writer.cluster)

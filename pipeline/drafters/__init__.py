@@ -4,15 +4,17 @@ Every class meets pipeline.drafters.protocol.Drafter (its options, ``training_lo
 layers). A new drafter is a folder pipeline/drafters/<name>/ and one entry in DRAFTERS below.
 """
 
+from pipeline.drafters.common import DrafterBase
 from pipeline.drafters.dflash import DFlashDrafter
 from pipeline.drafters.dspark import DSparkDrafter
 from pipeline.drafters.eagle3 import Eagle3Drafter
 from pipeline.drafters.peagle import PEagleDrafter
 
-DRAFTERS = {cls.algorithm: cls for cls in (Eagle3Drafter, PEagleDrafter, DFlashDrafter, DSparkDrafter)}
+DRAFTERS: dict[str, type[DrafterBase]] = {
+    cls.algorithm: cls for cls in (Eagle3Drafter, PEagleDrafter, DFlashDrafter, DSparkDrafter)}
 
 
-def drafter_class(name: str):
+def drafter_class(name: str) -> type[DrafterBase]:
     from pipeline.errors import PipelineError
 
     if name not in DRAFTERS:

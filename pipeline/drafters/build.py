@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.common import DrafterBase, DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.families import (
     family_of,
@@ -147,7 +147,8 @@ def verifier_head_tensors(verifier_path: str) -> tuple[torch.Tensor, torch.Tenso
     return found["embed"], found.get("lm_head", found["embed"])  # tied embeddings share one tensor
 
 
-def build_drafter(spec: DrafterSpec, verifier_tensors: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+def build_drafter(spec: DrafterSpec,
+                  verifier_tensors: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> DrafterBase:
     from pipeline.drafters import drafter_class
 
     model = drafter_class(spec.algorithm)(spec)

@@ -119,6 +119,15 @@ class DrafterBase(nn.Module):
         """Decoding options the evaluation used that the export records (DSpark's confidence threshold)."""
         return {}
 
+    def decoding_options(self) -> dict[str, Any]:
+        """The settings it decodes with beside its weights, as an evaluation report records them (DSpark's
+        confidence threshold); {} for a drafter that has none."""
+        return {}
+
+    def set_decoding_options(self, confidence_threshold: float | None = None) -> None:
+        """Decode with the settings a measurement chose (None keeps the current one); a drafter without such a
+        setting ignores it."""
+
     def check_exportable(self) -> None:
         """Raises PipelineError when this model cannot be written as a checkpoint vLLM loads."""
 
@@ -194,13 +203,13 @@ class DrafterBase(nn.Module):
 
 def _model_parts(model_type: str):
     if model_type == "llama":
-        from transformers.models.llama import modeling_llama as m
+        from transformers.models.llama import modeling_llama as llama
 
-        return m.LlamaAttention, m.LlamaMLP, m.LlamaRMSNorm, m.LlamaRotaryEmbedding
+        return llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding
     if model_type == "qwen3":
-        from transformers.models.qwen3 import modeling_qwen3 as m
+        from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-        return m.Qwen3Attention, m.Qwen3MLP, m.Qwen3RMSNorm, m.Qwen3RotaryEmbedding
+        return qwen3.Qwen3Attention, qwen3.Qwen3MLP, qwen3.Qwen3RMSNorm, qwen3.Qwen3RotaryEmbedding
     raise ValueError(f"drafter: verifier model_type '{model_type}' is not supported (llama, qwen3)")
 
 

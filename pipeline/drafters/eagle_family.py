@@ -30,7 +30,7 @@ from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_st
 class EagleFamilyDrafter(DrafterBase):
     # P-EAGLE sparsifies chains along depth in training (drafter.depth_keep_decay); EAGLE-3's TTT keeps them whole.
     sparsifies_depth = False
-    extra_keys = ("norm_before_fc", "embed_requires_grad")
+    extra_keys: tuple[str, ...] = ("norm_before_fc", "embed_requires_grad")
     aux_layers_key = "eagle_aux_hidden_state_layer_ids"
     runs_on_vllm_cpu = True
 

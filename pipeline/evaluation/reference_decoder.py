@@ -96,6 +96,12 @@ class _Sequence:
     features: Optional[torch.Tensor] = None  # aux features of every token in the cache, [len(tokens) - 1, A*H]
     stopped: bool = False  # an end-of-sequence token was emitted (possibly inside the accepted drafts)
 
+    def cached_features(self) -> torch.Tensor:
+        """features, which the prefill sets before any draft or verification step reads them."""
+        if self.features is None:
+            raise RuntimeError("reference decoder: a sequence was read before its prefill")
+        return self.features
+
     @property
     def generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
@@ -178,7 +184,7 @@ class SpeculativeDecoder:
         accepted, next_token = self._verify(logits, drafts)
         sequence.counts.add_step(accepted, len(drafts))  # DSpark may propose fewer than K (confidence truncation)
         batch.keep(row, accepted + 1)  # the last token and the accepted drafts; the rejected tail is masked out
-        sequence.features = torch.cat([sequence.features, features[: accepted + 1]])
+        sequence.features = torch.cat([sequence.cached_features(), features[: accepted + 1]])
         emitted = drafts[:accepted] + [next_token]
         sequence.tokens += emitted
         sequence.stopped = any(token in stop_token_ids for token in emitted)
@@ -192,7 +198,7 @@ class SpeculativeDecoder:
         if proposed <= 0:
             return []
         started = time.perf_counter()
-        features = sequence.features
+        features = sequence.cached_features()
         next_ids = torch.tensor([sequence.tokens[1:]], device=features.device)  # token t + 1 paired with features t
         drafts = self.drafter.draft(features[None], next_ids, proposed).tolist()[:proposed]
         self.timing.draft_seconds += time.perf_counter() - started

@@ -170,7 +170,7 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
         "greedy_mismatches": mismatches,
         "datasets": per_set,
         "drafter": drafter.spec.algorithm, "verifier": ctx.cfg.verifier.name,
-        "confidence_threshold": getattr(drafter, "confidence_threshold", None),
+        "confidence_threshold": drafter.decoding_options().get("confidence_threshold"),
         "checkpoint": str(checkpoint), "dataset": ctx.cfg.data.name,
     }
     report["signature"] = evaluation_signature(report, requests)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pipeline.context import Context
 from pipeline.drafters import drafter_class
@@ -83,7 +83,7 @@ def judge_divergences(ctx: Context, requests: list[dict], vllm_tokens: list[list
     verifier, _ = load_verifier(ctx.verifier_path, dtype_name)
     found = divergence.judge(verifier, DTYPES[dtype_name], requests, vllm_tokens,
                              ctx.cfg.evaluation.vllm.near_tie_steps)
-    judged = {"divergences": [d.as_dict() for d in found]}
+    judged: dict[str, Any] = {"divergences": [d.as_dict() for d in found]}
     reason = divergence.fault_reason(found)
     if reason:
         judged["divergence_fault"] = reason

@@ -91,7 +91,7 @@ def generate(verifier: str, prompts: list[list[int]] | dict[str, list[list[int]]
         before = spec_decode_counters(llm) if speculative_config else None
         for name, batch in prompts.items():
             result["per_set"][name] = {"tokens": decode(batch)}
-            if speculative_config:
+            if before is not None:
                 after = spec_decode_counters(llm)
                 result["per_set"][name]["counters"] = counters_between(before, after)
                 before = after

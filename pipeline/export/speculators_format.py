@@ -11,18 +11,19 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.common import DrafterBase, DrafterSpec
 from pipeline.drafters.vocab import ids_from_d2t
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder
 
 SPECULATORS_VERSION = "0.9.0"
 EXPORT_DTYPE = torch.bfloat16
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 def _drafter(algorithm: str, where: str):
@@ -68,7 +69,7 @@ def _verifier_architecture(spec: DrafterSpec) -> str:
     return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec.transformer_layer_config["model_type"]]
 
 
-def round_to_export_dtype(model: torch.nn.Module) -> torch.nn.Module:
+def round_to_export_dtype(model: ModuleT) -> ModuleT:
     """Round the weights in place as the export stores them, so evaluation measures the served drafter."""
     with torch.no_grad():
         for tensor in model.state_dict().values():
@@ -77,7 +78,7 @@ def round_to_export_dtype(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def export_speculators(model: torch.nn.Module, target: Path, dtype: torch.dtype = EXPORT_DTYPE) -> Path:
+def export_speculators(model: DrafterBase, target: Path, dtype: torch.dtype = EXPORT_DTYPE) -> Path:
     """Write the checkpoint into a temporary sibling folder and rename it into place when complete."""
     spec: DrafterSpec = model.spec
     drafter = _drafter(spec.algorithm, "export")

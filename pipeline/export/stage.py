@@ -52,7 +52,7 @@ class Registration(NamedTuple):
 def _register(ctx: Context, run_id: str, config: dict, digest: str, report: dict | None,
               lineage: dict) -> Registration:
     name = registered_model_name(ctx.cfg)
-    version, created = ctx.tracker.register_once(name, ARTIFACT_PATH, run_id,
+    version, created = ctx.tracking("export").register_once(name, ARTIFACT_PATH, run_id,
                                                  _version_tags(ctx, config, report, lineage),
                                                  version_identity(digest, report))
     if created:
@@ -66,15 +66,15 @@ def _publish(ctx: Context, folder: Path, card: str, registered: Registration | N
     when logging fails, so the registry never points at files that were not logged."""
     atomic_write_text(folder / CARD_FILE, card)
     seal(folder)  # what a server that downloads this version checks before serving it
-    created = registered is not None and registered.created
+    created = registered if registered is not None and registered.created else None
     try:
         ctx.log_artifact(folder, ARTIFACT_PATH)
     except Exception:
         if created:
-            ctx.tracker.delete_version(registered.name, registered.version)
+            ctx.tracking("export").delete_version(created.name, created.version)
         raise
     if created:
-        ctx.tracker.describe_version(registered.name, registered.version, card)
+        ctx.tracking("export").describe_version(created.name, created.version, card)
 
 
 def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None, lineage: dict) -> dict:
@@ -91,7 +91,7 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     result = {"path": str(folder), "speculators_model_type": config["speculators_model_type"], "sha256": digest}
     tracked = bool(ctx.tracker and run_id)
     registered = _register(ctx, run_id, config, digest, report, lineage) if (
-        tracked and ctx.cfg.tracking.register) else None
+        run_id and tracked and ctx.cfg.tracking.register) else None
     if registered:
         result.update({"registered_model": registered.name, "version": registered.version,
                        "reused": not registered.created})

@@ -43,7 +43,7 @@ QWEN3_VOCAB_SIZE = 151936  # the embedding rows of every Qwen3 model (padded pas
 # Sizes shared by the tiny families: six layers (the drafters' default aux layers need at least five), head_dim 32
 # (vLLM's CPU attention supports 32 and up), a context long enough for generation.max_length. An init of 0.05 makes
 # a verifier that answers in runs of repeated tokens (0.02 repeats one token forever; 0.1 and up is token noise).
-TINY_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+TINY_SIZES: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
                   initializer_range=0.05)
 # The LM head is the embedding scaled by this: the same greedy choices, but a peaked next-token distribution as a
@@ -116,7 +116,7 @@ def _gemma4_config(tokenizer: Any) -> Any:
     # Five sliding-window layers and a full-attention one as Gemma-4 alternates them, per-layer input embeddings
     # (small), and Gemma-4's final-logit soft cap.
     text = Gemma4TextConfig(**TINY_SIZES, vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer),
-                            hidden_size_per_layer_input=8, global_head_dim=32, sliding_window=64,
+                            hidden_size_per_layer_input=8, sliding_window=64,
                             final_logit_softcapping=30.0, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -118,8 +119,8 @@ class VllmVerifier:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.stop_token_ids = verifier_stop_token_ids(verifier_path, self.tokenizer)
-        self._generator = None
-        self._capturer = None
+        self._generator: Any = None  # vllm.LLM, built on first use
+        self._capturer: Any = None
         self._capture_layers: list[int] = []
         self._capture_dir = Path(tempfile.mkdtemp(prefix="vllm-hidden-"))
 

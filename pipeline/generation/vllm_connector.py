@@ -34,6 +34,8 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
 
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
         slots = (torch.arange(self._block_size)[None, :] + blocks[:, None] * self._block_size).flatten()
+        if self._kv_cache is None:
+            raise RuntimeError("vllm capture: the hidden-states connector was asked to write before its cache exists")
         hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
@@ -45,4 +47,4 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the lock readers wait on
-        self._req_copy_events[pending.req_id] = _Done()
+        self._req_copy_events[pending.req_id] = _Done()  # type: ignore[assignment]  # duck-typed: upstream polls it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -149,7 +150,7 @@ def job_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith(("cluster.kubernetes.", "cluster.launcher."))]
 
 
-def pipeline_entrypoint(cfg: DictConfig, overrides: list[str] = ()) -> str:
+def pipeline_entrypoint(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     """The job a RayJob runs: the whole pipeline for this experiment and the job's overrides (what `ray job
     submit` runs by hand)."""
     return " ".join([f"python {APP_DIR}/jobs/run_pipeline.py", f"experiment={cfg.experiment}",
@@ -160,7 +161,7 @@ def driver_resources() -> str:
     return json.dumps({DRIVER_RESOURCE: 1})
 
 
-def ray_job(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+def ray_job(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
     """The pipeline on a cluster of its own that KubeRay deletes five minutes after the job ends (time to read
     its logs; the outputs stay on the volume and in MLflow)."""
     return {"apiVersion": API_VERSION, "kind": "RayJob", "metadata": _metadata(cfg, resource_name(cfg, "pipeline")),

@@ -112,11 +112,15 @@ def blockwise_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tea
         raise ValueError("blockwise_soft_cross_entropy: the head weight must be frozen (it gets no gradient)")
     count = hidden.shape[0]
     rows = teacher_rows if teacher_rows is not None else torch.arange(count, device=hidden.device)
+    weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
     if callable(row_weights):
         if bias is not None:
             raise ValueError("blockwise_soft_cross_entropy: row weights computed from the losses cannot train a bias")
-        def weights(losses: torch.Tensor) -> torch.Tensor:
-            return _normalised(row_weights(losses))
+        weight_of_losses = row_weights
+
+        def normalised_weights(losses: torch.Tensor) -> torch.Tensor:
+            return _normalised(weight_of_losses(losses))
+        weights = normalised_weights
     elif row_weights is None:
         weights = torch.full((count,), 1.0 / max(count, 1), device=hidden.device)
     else:

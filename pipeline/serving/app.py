@@ -117,6 +117,7 @@ def build_app(args: dict) -> Any:
     ingress = make_fastapi_ingress(OpenAiIngress, app=app)
     options = OpenAiIngress.get_deployment_options([config])
     options.setdefault("ray_actor_options", {})["num_cpus"] = 0  # routing only
-    return serve.deployment(ingress, **options).bind(
+    # serve.deployment(cls, **options) is a Deployment; the stubs type only the decorator form
+    return serve.deployment(ingress, **options).bind(  # type: ignore[attr-defined]
         llm_deployments={config.model_id: build_llm_deployment(config)},
         model_cards={config.model_id: to_model_metadata(config.model_id, config)})

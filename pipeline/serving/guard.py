@@ -98,7 +98,7 @@ class RequestGuard:
     def _authorized(self, headers: dict) -> bool:
         # Bytes on both sides: compare_digest refuses a str holding non-ASCII characters.
         given = headers.get(b"authorization", b"")
-        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode("utf-8"))
+        return hmac.compare_digest(given, b"Bearer " + (self.api_key or "").encode("utf-8"))
 
     async def _websocket(self, scope: dict, receive: Any, send: Any) -> None:
         """A websocket (vLLM's realtime routes) needs the key like any route: without it the handshake is closed

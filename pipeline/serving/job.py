@@ -47,7 +47,7 @@ def prepare(ctx: Context) -> tuple[dict, Optional[ResolvedSpeculator]]:
     The speculator is resolved here too (`build_app` then reuses the download), so that a wrong URI or a missing
     K fails before Ray starts, and so that served tau can be logged to the version's run.
     """
-    config = serve_config_for(ctx.cfg, ctx.verifier_path, ctx.tracker.uri)
+    config = serve_config_for(ctx.cfg, ctx.verifier_path, ctx.tracking("serve").uri)
     app = config["applications"][0]
     resolved = None
     if app["args"]["speculator"]:  # build_app logs what it resolved to
@@ -113,7 +113,7 @@ def serve(ctx: Context) -> dict:
         while True:
             time.sleep(ctx.cfg.serving.metrics_interval_s or 3600)
             if resolved and ctx.cfg.serving.metrics_interval_s:
-                report_served_tau(ctx.tracker.client, resolved, served_name(config), metrics_url)
+                report_served_tau(ctx.tracking("serve").client, resolved, served_name(config), metrics_url)
     except KeyboardInterrupt:
         log.info("serve: stopping")
     return result

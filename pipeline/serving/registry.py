@@ -110,6 +110,7 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             local = _download(client, run_id, path, download_root / f"{name}-v{version.version}-{run_id[:12]}")
             tags, number = dict(version.tags), str(version.version)
         else:
+            assert run is not None  # check_model_uri accepted one of the two forms
             run_id, path = run["run_id"], run["path"]
             local = _download(client, run_id, path, download_root / f"run-{run_id}")
             tags, number = dict(client.get_run(run_id).data.tags), None

@@ -87,7 +87,7 @@ def stream_micro_batches(plan: list[dict], store_dir: str, aux_layer_ids: list[i
     dataset = ray.data.from_items(plan, override_num_blocks=max(1, min(len(plan), 64)))
     # num_cpus=0: the reader is light I/O and the training workers already hold every CPU of a small cluster;
     # one reader task at a time per worker keeps a 2-core machine from starting a process per block.
-    dataset = dataset.map_batches(StoreReader(store_dir, aux_layer_ids, last_layer_id),
+    samples = dataset.map_batches(StoreReader(store_dir, aux_layer_ids, last_layer_id),
                                   batch_size=1, batch_format="numpy", num_cpus=0,
                                   compute=ray.data.TaskPoolStrategy(size=1))
-    yield from dataset.iter_torch_batches(batch_size=1, collate_fn=_collate_class()(), prefetch_batches=prefetch)
+    yield from samples.iter_torch_batches(batch_size=1, collate_fn=_collate_class()(), prefetch_batches=prefetch)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_traina
 from pipeline.data.store import load_manifest, read_samples, sample_locations
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
+from pipeline.errors import PipelineError
 from pipeline.integrity import seal
 from pipeline.metrics import expected_tau
 from pipeline.tracking import client_for, log_metric_batch
@@ -191,7 +193,10 @@ class StoreData:
         self.store_dir, self.aux_layer_ids, self.last_layer_id = store_dir, list(spec.aux_layer_ids), last_layer_id
         # The driver verified every shard's hash before starting the workers: reading the store again here
         # would cost each worker a full pass over it.
-        locations = sample_locations(store_dir, load_manifest(store_dir))
+        manifest = load_manifest(store_dir)
+        if manifest is None:
+            raise PipelineError(f"train: the store at {store_dir} has no manifest; run the generate stage")
+        locations = sample_locations(store_dir, manifest)
         self.train, held_out = split_validation(locations, training["val_samples"], training["seed"])
         self.held_out = self.read(held_out)  # a few samples, validated at every checkpoint: kept in memory
 
@@ -236,19 +241,43 @@ class MetricsSink:
                 self.client.log_artifact(self.run_id, str(folder / name), f"checkpoints/step-{step}")
 
 
-def _step_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, total: torch.Tensor, tokens: torch.Tensor,
-                  sequences: int, micro_batches: int, elapsed: float, lr: float) -> dict[str, float]:
-    reduced = dist.all_reduce_sum(torch.cat([loss_sum.reshape(1), correct.double(), total.double(),
-                                             tokens.double().reshape(1), torch.tensor([float(sequences)])]))
-    k = correct.shape[0]
-    loss = reduced[0].item() / dist.world_size()
-    correct, total, tokens = reduced[1:1 + k], reduced[1 + k:1 + 2 * k], reduced[-2].item()
-    accuracy = [(c / t).item() if t > 0 else 0.0 for c, t in zip(correct, total)]
-    metrics = {"train.loss": loss, "train.lr": lr, "train.tokens_per_s": tokens / max(elapsed, 1e-9),
-               "train.proxy_tau": expected_tau(accuracy),
-               "train.sequences_per_micro_batch": reduced[-1].item() / (micro_batches * dist.world_size())}
-    metrics.update({f"train.acc_pos{i + 1}": a for i, a in enumerate(accuracy)})
-    return metrics
+@dataclass
+class _Window:
+    """What this rank's micro-batches add up to since the last logged step (the logged metrics cover them)."""
+
+    loss: float = 0.0  # sum of the micro-batch losses
+    correct: torch.Tensor | None = None  # [K] teacher-forced greedy matches per draft position
+    total: torch.Tensor | None = None  # [K]
+    tokens: int = 0  # loss-masked tokens
+    sequences: int = 0
+    micro_batches: int = 0
+    start: float = field(default_factory=time.time)
+
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, total: torch.Tensor, batch: list[dict]) -> None:
+        self.loss += float(loss.detach().float())
+        self.correct = correct.cpu() if self.correct is None else self.correct + correct.cpu()
+        self.total = total.cpu() if self.total is None else self.total + total.cpu()
+        self.tokens += sum(int(sample["loss_mask"].sum()) for sample in batch)
+        self.sequences += len(batch)
+        self.micro_batches += 1
+
+    def metrics(self, lr: float) -> dict[str, float]:
+        """train.* over every rank's window (a collective: every rank calls it on the same steps)."""
+        if self.correct is None or self.total is None:
+            raise RuntimeError("train: a step is logged before any micro-batch of it ran")
+        k = self.correct.shape[0]
+        reduced = dist.all_reduce_sum(torch.cat([
+            torch.tensor([self.loss / self.micro_batches], dtype=torch.float64), self.correct.double(),
+            self.total.double(), torch.tensor([float(self.tokens), float(self.sequences)], dtype=torch.float64)]))
+        correct, total = reduced[1:1 + k], reduced[1 + k:1 + 2 * k]
+        accuracy = [(c / t).item() if t > 0 else 0.0 for c, t in zip(correct, total)]
+        elapsed = time.time() - self.start
+        metrics = {"train.loss": reduced[0].item() / dist.world_size(), "train.lr": lr,
+                   "train.tokens_per_s": reduced[-2].item() / max(elapsed, 1e-9),
+                   "train.proxy_tau": expected_tau(accuracy),
+                   "train.sequences_per_micro_batch": reduced[-1].item() / (self.micro_batches * dist.world_size())}
+        metrics.update({f"train.acc_pos{i + 1}": a for i, a in enumerate(accuracy)})
+        return metrics
 
 
 def _report_checkpoint(metrics: dict, engine: Engine, state: dict, sink: MetricsSink, val_tau: "ValTau") -> dict:
@@ -281,8 +310,10 @@ class ValTau:
 
     def __init__(self, config: dict, held_out: list[dict]):
         settings = config.get("val_tau")
-        self.enabled, self.probe, self.points = bool(settings), None, []
-        if self.enabled and dist.is_rank_zero():
+        self.enabled = bool(settings)
+        self.probe: Any = None  # AcceptanceProbe, on rank 0
+        self.points: list[dict[str, float]] = []
+        if settings and dist.is_rank_zero():
             from pipeline.training.val_tau import AcceptanceProbe, prompt_of
 
             prompts = [prompt_of(sample) for sample in held_out[: settings["samples"]]]
@@ -363,9 +394,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
     autocast = resolve_autocast(training.get("autocast_dtype"), device_type)
     sink.tag("train.autocast", str(autocast).replace("torch.", "") if autocast else "float32")
     progress = _progress(training["max_steps"], start)
-    window_start = time.time()
-    loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
-    sequences = 0
+    window = _Window()
     for step in range(start + 1, training["max_steps"] + 1):
         generator.manual_seed(step_seed(training["seed"], step, rank))
         last = step == training["max_steps"]
@@ -383,17 +412,12 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, options, generator)
             engine.backward_and_step(loss, boundary=micro_index == accum - 1)
-            loss_sum += loss.detach().float().cpu()
-            correct_sum, total_sum = correct_sum + correct.cpu(), total_sum + total.cpu()
-            tokens += sum(int(s["loss_mask"].sum()) for s in batch)
-            sequences += len(batch)
-            window_steps += 1
+            window.add(loss, correct, total, batch)
         progress.update(1)
         if not logs:
             continue
         # Every rank reaches this on the same steps: the reductions and checkpoint reports stay in lockstep.
-        metrics = _step_metrics(loss_sum / window_steps, correct_sum, total_sum, tokens, sequences, window_steps,
-                                time.time() - window_start, engine.lr())
+        metrics = window.metrics(engine.lr())
         epoch = order.epoch(step - 1)
         metrics.update({"train.epoch": epoch, "train.world_size": world, "train.zero_stage": engine.zero_stage(),
                         "train.micro_batch_size": micro})
@@ -410,8 +434,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
         else:
             sink.log(metrics, step)
         progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
-        loss_sum, correct_sum, total_sum, tokens, window_steps = torch.zeros(()), 0, 0, torch.zeros(()), 0
-        sequences, window_start = 0, time.time()
+        window = _Window()
     progress.close()
     sink.log(val_tau.agreement(), training["max_steps"])
 

@@ -87,7 +87,8 @@ def deepspeed_param_groups(model: torch.nn.Module, training: dict) -> list[dict]
     """Parameter groups for DeepSpeed's Muon: matrices (as DeepSpeed tags them) with muon_weight_decay, the rest
     with weight_decay. DeepSpeed splits each group into its Muon and Adam halves by its own tag, so a group is
     chosen by the same rule (two or more dimensions, not an embedding or head)."""
-    matrices, rest = [], []
+    matrices: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

@@ -14,7 +14,9 @@ import torch
 
 def pack_to_token_budget(order: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
     """Consecutive runs of `order` whose lengths add up to at most `token_budget` (a longer sample goes alone)."""
-    units, current, used = [], [], 0
+    units: list[list[int]] = []
+    current: list[int] = []
+    used = 0
     for index in order:
         if current and used + lengths[index] > token_budget:
             units.append(current)

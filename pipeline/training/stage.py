@@ -112,6 +112,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     resume_from = _resume_from(ctx)
     if resume_from:  # refuse another drafter's checkpoint, or another data order, before starting workers
         point = read_resume_point(resume_from, spec)
+        assert point is not None  # a folder always has one
         check_same_data_order(point, loop_config["training"])
         if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
             log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
@@ -207,6 +208,7 @@ def _fit(ctx: Context, loop_config: dict):
         run_config=RunConfig(name=_run_name(ctx), storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=cfg.training.max_failures),
                              checkpoint_config=_checkpoint_config(cfg.training),
-                             worker_runtime_env={"env_vars": _worker_env(use_gpu)}),
+                             # Ray Train v2's RunConfig (the default); the stubs show v1's, which has no such field
+                             worker_runtime_env={"env_vars": _worker_env(use_gpu)}),  # type: ignore[call-arg]
     )
     return trainer.fit()

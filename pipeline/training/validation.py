@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from typing import cast
 
 import torch
 
+from pipeline.drafters.protocol import Drafter
 from pipeline.metrics import expected_tau
 from pipeline.training import dist
 
@@ -38,16 +40,19 @@ def deterministic_options(options: dict) -> dict:
 
 def validate(model: torch.nn.Module, share: list[tuple[dict, bool]], options: dict, autocast) -> dict[str, float]:
     """val.loss (mean over held-out samples), val.acc_pos{k} and val.proxy_tau, reduced over every rank."""
+    drafter = cast(Drafter, model)
     sums = None  # [loss, counted samples, correct per position..., total per position...]
     model.eval()
     with torch.no_grad(), autocast or contextlib.nullcontext():
         for sample, is_counted in share:
-            loss, correct, total = model.training_loss([sample], deterministic_options(options),
+            loss, correct, total = drafter.training_loss([sample], deterministic_options(options),
                                                        torch.Generator().manual_seed(0))
             row = torch.cat([torch.stack([loss.double().cpu(), torch.tensor(1.0, dtype=torch.float64)]),
                              correct.double().cpu(), total.double().cpu()]) * float(is_counted)
             sums = row if sums is None else sums + row
     model.train()
+    if sums is None:
+        raise ValueError("validate: this rank's share of the held-out samples is empty")
     sums = dist.all_reduce_sum(sums)
     k = (sums.numel() - 2) // 2
     accuracy = [(c / t).item() if t > 0 else 0.0 for c, t in zip(sums[2:2 + k], sums[2 + k:])]

@@ -55,6 +55,12 @@ def _flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _drop_field(path, field):
+    record = json.loads(path.read_text())
+    del record[field]
+    path.write_text(json.dumps(record))
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: _flip_last_byte(f / OPTIMIZER_PICKLE), "does not match the sha256 it was written with"),
     (lambda f: os.truncate(f / WEIGHTS_FILE, 100), "bytes, .* were written \\(truncated\\)"),
@@ -66,6 +72,7 @@ def _flip_last_byte(path: Path) -> None:
     (lambda f: [(f / WEIGHTS_FILE).rename(f / "elsewhere"), (f / WEIGHTS_FILE).symlink_to(f / "elsewhere")],
      "is a link or not a file"),
     (lambda f: (f / "integrity-rank0.json").write_text("{"), "is not a readable integrity record"),
+    (lambda f: _drop_field(f / "integrity-rank1.json", "rank"), "rank1.json' is not a readable integrity record"),
     (lambda f: [p.unlink() for p in f.glob("integrity-rank*.json")], "has no integrity record"),
 ])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(damage, message, tmp_path):

@@ -85,7 +85,7 @@ class DFlashDrafter(DrafterBase):
     config_class = DFlashConfig
     # Slot k drafts token p + k + this: DFlash's slot 0 is the known anchor token; DSpark samples from it too.
     sample_from_anchor = False
-    extra_keys = ("causal_block",)
+    extra_keys: tuple[str, ...] = ("causal_block",)
     speculators_architecture = "DFlashDraftModel"
     # speculators' DFlash/DSpark loaders always copy the verifier's embedding; vLLM shares the target's.
     not_exported = ("embed_tokens.weight",)
@@ -224,7 +224,7 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     num_drafts, bs = model.spec.num_speculative_tokens, model.block_size
     anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options["max_anchors"], generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
-        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        zero = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
         zeros = torch.zeros(num_drafts, dtype=torch.long, device=zero.device)
         return zero, zeros, zeros.clone(), None
     anchors = pad_stack([a if a.numel() else torch.zeros(1, dtype=torch.long) for a in anchor_lists], 0)  # [B, N]

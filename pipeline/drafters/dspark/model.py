@@ -47,7 +47,7 @@ class DSparkDrafter(DFlashDrafter):
     algorithm = "dspark"
     config_class = DSparkConfig
     sample_from_anchor = True
-    extra_keys = ("causal_block", "markov_rank")
+    extra_keys: tuple[str, ...] = ("causal_block", "markov_rank")
     biases_logits = True
     speculators_architecture = "DSparkDraftModel"
     runs_on_vllm_cpu = False  # vLLM runs DSpark on its GPU model runner only
@@ -78,6 +78,13 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = MarkovHead(spec.vocab_size, spec.draft_vocab_size, rank)
         self.confidence_head = ConfidenceHead(spec.hidden_size + rank)
         self.confidence_threshold = float(spec.extra.get("confidence_threshold", 0.0))
+
+    def decoding_options(self) -> dict[str, Any]:
+        return {"confidence_threshold": self.confidence_threshold}
+
+    def set_decoding_options(self, confidence_threshold: float | None = None) -> None:
+        if confidence_threshold is not None:
+            self.confidence_threshold = float(confidence_threshold)
 
     def logit_bias(self, previous_tokens: torch.Tensor) -> torch.Tensor:
         return self.markov_head(previous_tokens)

@@ -44,7 +44,7 @@ class Eagle3Drafter(EagleFamilyDrafter):
     algorithm = "eagle3"
     config_class = Eagle3Config
     sparsifies_depth = False
-    extra_keys = ("norm_before_fc", "norm_output", "embed_requires_grad")
+    extra_keys: tuple[str, ...] = ("norm_before_fc", "norm_output", "embed_requires_grad")
     speculators_architecture = "Eagle3Speculator"
 
     @classmethod
@@ -94,6 +94,8 @@ class Eagle3Drafter(EagleFamilyDrafter):
             if outputs is None:
                 outputs = out.new_zeros(batch, rows + 1, out.shape[-1])
             outputs = outputs.scatter(1, index[..., None].expand_as(out), out)
+        if outputs is None:
+            raise ValueError("eagle3: no row to run (depths is empty)")
         return self.norm(outputs[:, :rows])
 
     def chained(self, out: torch.Tensor) -> torch.Tensor:
@@ -112,7 +114,7 @@ class Eagle3Drafter(EagleFamilyDrafter):
         cache = DynamicCache()
         rows = (torch.arange(context, device=device)[None], torch.zeros(1, context, dtype=torch.long, device=device),
                 torch.ones(1, context, dtype=torch.bool, device=device))
-        keys = rows
+        keys: tuple[torch.Tensor, ...] = rows
         out = self.run_layers_cached(self._rows_input(aux_hidden, next_ids, *rows[:2], None), rows, keys, cache)
         tokens, drafts = next_ids, []
         for depth in range(num_drafts):
