@@ -124,8 +124,8 @@ def vllm_run(verifier_path: str, drafter_args: list[str], sets: dict[str, list[d
         prompts, out = Path(scratch) / "prompts.json", Path(scratch) / "result.json"
         prompts.write_text(json.dumps({name: [r["prompt_ids"] for r in rows] for name, rows in sets.items()}))
         command = [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", verifier_path,
-                   *drafter_args, "--k", str(k), "--max-tokens", str(max_new_tokens), "--prompts", str(prompts),
-                   "--out", str(out)]
+                   *drafter_args, "--num-speculative-tokens", str(k), "--max-tokens", str(max_new_tokens),
+                   "--prompts", str(prompts), "--out", str(out)]
         finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
         if finished.returncode != 0:
             raise RuntimeError(f"vLLM ({drafter_args}): {finished.stderr.strip().splitlines()[-1:]}")

@@ -1,6 +1,6 @@
 """Training benchmarks on SmolLM2, written as JSON.
 
-    python benchmarks/training.py step-time [--length 384] [--repeats 5] [--k 4] [--drafters ...]
+    python benchmarks/training.py step-time [--length 384] [--repeats 5] [--num-speculative-tokens 4] [--drafters ...]
                                             [--their-embeddings as-loaded|frozen] [--out FILE]
         One training step (forward + loss + backward, fp32, one thread) of each drafter at SmolLM2-135M's sizes,
         ours (`training_loss`) against the speculators package's own model and eager CPU loss, loaded with its
@@ -279,15 +279,16 @@ def step_time(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    if args.length < PROMPT_TOKENS + 2 * (args.k + 2):
-        raise SystemExit(f"--length {args.length}: too short for a {PROMPT_TOKENS}-token prompt and K={args.k}")
+    k = args.num_speculative_tokens
+    if args.length < PROMPT_TOKENS + 2 * (k + 2):
+        raise SystemExit(f"--length {args.length}: too short for a {PROMPT_TOKENS}-token prompt and K={k}")
     verifier = smollm2_verifier()
     config = verifier[2]
     results = {
         "machine": machine_info(), "verifier": verifier[0].verifier.name,
         "verifier_shapes": {"hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
                             "num_hidden_layers": int(config.num_hidden_layers)},
-        "length": args.length, "prompt_tokens": PROMPT_TOKENS, "k": args.k, "repeats": args.repeats,
+        "length": args.length, "prompt_tokens": PROMPT_TOKENS, "k": k, "repeats": args.repeats,
         "dtype": "float32", "threads": 1, "goal_ours_over_theirs": 1.0, "their_embeddings": args.their_embeddings,
         "note": "seconds are the median of --repeats steps (forward + loss + backward), ours and theirs alternating "
                 "after one warm-up each; ours: training_loss with max_anchors=None, depth_keep_decay=1.0; theirs: "
@@ -300,7 +301,7 @@ def step_time(args) -> dict:
     }
     for algorithm in args.drafters:
         print(f"[step-time] {algorithm} ...", file=sys.stderr, flush=True)
-        results["drafters"][algorithm] = bench_drafter(algorithm, verifier, args.length, args.repeats, args.k,
+        results["drafters"][algorithm] = bench_drafter(algorithm, verifier, args.length, args.repeats, k,
                                                        args.their_embeddings == "frozen")
         print(f"[step-time] {algorithm}: {json.dumps(results['drafters'][algorithm])}", file=sys.stderr, flush=True)
         gc.collect()
@@ -407,7 +408,7 @@ def main() -> None:
     steps = sub.add_parser("step-time", help="one training step, ours vs speculators")
     steps.add_argument("--length", type=int, default=384)
     steps.add_argument("--repeats", type=int, default=5)
-    steps.add_argument("--k", type=int, default=K, help="num_speculative_tokens (draft depth)")
+    steps.add_argument("--num-speculative-tokens", type=int, default=K, help="num_speculative_tokens (draft depth)")
     steps.add_argument("--drafters", nargs="+", default=DRAFTERS, choices=DRAFTERS)
     steps.add_argument("--their-embeddings", choices=("as-loaded", "frozen"), default="as-loaded",
                        help="speculators' P-EAGLE trains its embedding by default; frozen matches ours")

@@ -399,7 +399,7 @@ def vllm_per_set(verifier_path: str, drafter: Path, requests: list[dict], k: int
         prompts, out = Path(scratch) / "prompts.json", Path(scratch) / "result.json"
         prompts.write_text(json.dumps({name: [r["prompt_ids"] for r in rows] for name, rows in by_set.items()}))
         command = [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", verifier_path,
-                   "--drafter", str(drafter), "--k", str(k), "--max-tokens", str(max_new_tokens),
+                   "--drafter", str(drafter), "--num-speculative-tokens", str(k), "--max-tokens", str(max_new_tokens),
                    "--prompts", str(prompts), "--out", str(out)]
         finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
         if finished.returncode != 0:

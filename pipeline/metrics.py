@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 class AcceptanceCounts:
     """Raw counts over verify steps; add them up across requests/ranks, then derive rates."""
 
-    num_drafts: int
+    num_speculative_tokens: int
     steps: int = 0
     accepted_tokens: int = 0
     proposed_tokens: int = 0  # drafts sent to the verifier (fewer than K when DSpark truncates)
@@ -25,13 +25,13 @@ class AcceptanceCounts:
     accepted_at: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.reached = self.reached or [0] * self.num_drafts
-        self.accepted_at = self.accepted_at or [0] * self.num_drafts
+        self.reached = self.reached or [0] * self.num_speculative_tokens
+        self.accepted_at = self.accepted_at or [0] * self.num_speculative_tokens
 
     def add_step(self, accepted: int, proposed: int | None = None) -> None:
-        proposed = self.num_drafts if proposed is None else proposed
-        if not 0 <= accepted <= proposed <= self.num_drafts:
-            raise ValueError(f"accepted={accepted}, proposed={proposed} with K={self.num_drafts}")
+        proposed = self.num_speculative_tokens if proposed is None else proposed
+        if not 0 <= accepted <= proposed <= self.num_speculative_tokens:
+            raise ValueError(f"accepted={accepted}, proposed={proposed} with K={self.num_speculative_tokens}")
         self.steps += 1
         self.accepted_tokens += accepted
         self.proposed_tokens += proposed
@@ -41,7 +41,7 @@ class AcceptanceCounts:
             self.accepted_at[k] += 1
 
     def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
-        merged = AcceptanceCounts(self.num_drafts, self.steps + other.steps,
+        merged = AcceptanceCounts(self.num_speculative_tokens, self.steps + other.steps,
                                   self.accepted_tokens + other.accepted_tokens,
                                   self.proposed_tokens + other.proposed_tokens)
         merged.reached = [a + b for a, b in zip(self.reached, other.reached)]

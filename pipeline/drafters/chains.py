@@ -37,7 +37,7 @@ def attention_allowed_to(q_anchors: torch.Tensor, q_depths: torch.Tensor, q_vali
 
 
 def sample_training_rows(
-    loss_mask: torch.Tensor, num_depths: int, keep_decay: float, generator: torch.Generator | None = None,
+    loss_mask: torch.Tensor, num_speculative_tokens: int, keep_decay: float, generator: torch.Generator | None = None,
     max_anchors: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows for one sequence of length T with draft-block sparsification.
@@ -63,7 +63,7 @@ def sample_training_rows(
 
     anchors, depths, targets = [real_anchor], [torch.zeros(num_real, dtype=torch.long)], [real_target]
     alive = real_target.clone()
-    for depth in range(1, num_depths):
+    for depth in range(1, num_speculative_tokens):
         target_pos = real_anchor + 2 + depth
         trainable = torch.zeros(num_real, dtype=torch.bool)
         ok = target_pos < length
@@ -79,9 +79,9 @@ def sample_training_rows(
     return torch.cat(anchors), torch.cat(depths), torch.cat(targets)
 
 
-def inference_rows(context_length: int, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows to draft num_drafts tokens after a context whose last real row is anchor context_length - 1."""
+def inference_rows(context_length: int, num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows to draft num_speculative_tokens tokens after a context whose last real row is anchor context_length - 1."""
     last = context_length - 1
-    anchors = torch.cat([torch.arange(context_length), torch.full((num_drafts - 1,), last)])
-    depths = torch.cat([torch.zeros(context_length, dtype=torch.long), torch.arange(1, num_drafts)])
+    anchors = torch.cat([torch.arange(context_length), torch.full((num_speculative_tokens - 1,), last)])
+    depths = torch.cat([torch.zeros(context_length, dtype=torch.long), torch.arange(1, num_speculative_tokens)])
     return anchors, depths

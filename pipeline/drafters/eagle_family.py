@@ -128,9 +128,9 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
     Returns (loss, correct [K], total [K]) where K = the drafter's num_speculative_tokens.
     """
     options = model.resolved_options(options)
-    num_depths = model.spec.num_speculative_tokens
+    num_speculative_tokens = model.spec.num_speculative_tokens
     keep_decay = float(options["depth_keep_decay"]) if model.sparsifies_depth else 1.0
-    rows = [sample_training_rows(s["loss_mask"], num_depths, keep_decay, generator, options["max_anchors"])
+    rows = [sample_training_rows(s["loss_mask"], num_speculative_tokens, keep_decay, generator, options["max_anchors"])
             for s in samples]
     anchors = pad_stack([r[0] for r in rows], 0)  # [B, R]
     depths = pad_stack([r[1] for r in rows], 0)  # [B, R]
@@ -145,7 +145,7 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
 
     batch_index, row_index = has_target.nonzero(as_tuple=True)  # rows that draft an assistant token
     if batch_index.numel() == 0:
-        zeros = torch.zeros(num_depths, dtype=torch.long, device=hidden.device)
+        zeros = torch.zeros(num_speculative_tokens, dtype=torch.long, device=hidden.device)
         return hidden.sum() * 0.0, zeros, zeros.clone()
     row_anchor, row_depth = anchors[batch_index, row_index], depths[batch_index, row_index]
     teacher_pos = row_anchor + 1 + row_depth  # the verifier position whose next-token distribution we match

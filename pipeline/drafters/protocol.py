@@ -35,7 +35,7 @@ class Drafter(Protocol):
         loss, correct [K], total [K]): teacher-forced matches of draft k with the verifier's greedy token."""
         ...
 
-    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
         """Greedy drafts after one sequence's context: aux_hidden [1, T, A*H], next_ids [1, T] (the token after
-        each position) -> [n] verifier token ids, n <= num_drafts (DSpark may truncate)."""
+        each position) -> [n] verifier token ids, n <= num_speculative_tokens (DSpark may truncate)."""
         ...

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def _decode_one_at_a_time(decoder: Any, prompts: list[list[int]], max_new_tokens: int,
                           stop_token_ids: Collection[int]) -> tuple[AcceptanceCounts, int]:
-    total, new_tokens = AcceptanceCounts(decoder.num_drafts), 0
+    total, new_tokens = AcceptanceCounts(decoder.num_speculative_tokens), 0
     for prompt in prompts:
         tokens, counts = decoder.generate(prompt, max_new_tokens, stop_token_ids)
         total, new_tokens = total.merge(counts), new_tokens + len(tokens)
@@ -27,13 +27,13 @@ def _decode_one_at_a_time(decoder: Any, prompts: list[list[int]], max_new_tokens
 
 
 def speculation_profile(make_decoder: Callable[[int], Any], prompts: list[list[int]], max_new_tokens: int,
-                        stop_token_ids: Collection[int], max_k: int) -> dict:
+                        stop_token_ids: Collection[int], num_speculative_tokens: int) -> dict:
     """`make_decoder(k)` gives a fresh SpeculativeDecoder with k drafts per step (k = 0: plain decoding)."""
     plain = make_decoder(0)
     _decode_one_at_a_time(plain, prompts, max_new_tokens, stop_token_ids)
     plain_step = plain.timing.verify_seconds / max(plain.timing.verify_calls, 1)
     rows = []
-    for k in range(1, max_k + 1):
+    for k in range(1, num_speculative_tokens + 1):
         decoder = make_decoder(k)
         counts, new_tokens = _decode_one_at_a_time(decoder, prompts, max_new_tokens, stop_token_ids)
         steps = max(decoder.timing.verify_calls, 1)

@@ -111,8 +111,9 @@ class SpeculativeDecoder:
     """Chain speculative decoding. temperature 0: greedy verification (drafts kept while they equal the verifier's
     argmax). temperature > 0: exact rejection sampling (`sampling.rejection_sample`), seeded by `seed`."""
 
-    def __init__(self, verifier: Any, drafter: Any, num_drafts: int, temperature: float = 0.0, seed: int = 0):
-        self.verifier, self.drafter, self.num_drafts = verifier, drafter, num_drafts
+    def __init__(self, verifier: Any, drafter: Any, num_speculative_tokens: int, temperature: float = 0.0,
+                 seed: int = 0):
+        self.verifier, self.drafter, self.num_speculative_tokens = verifier, drafter, num_speculative_tokens
         self.aux_layer_ids = list(drafter.spec.aux_layer_ids)
         self.temperature = temperature
         self.generator = torch.Generator().manual_seed(seed)
@@ -156,7 +157,7 @@ class SpeculativeDecoder:
         if len(prompts) > 1 and uses_sliding_window(self.verifier.config):
             # a batch leaves masked slots inside the window of sliding-window layers: decode one prompt at a time
             return [self.generate_batch([prompt], max_new_tokens, stop_token_ids)[0] for prompt in prompts]
-        sequences = [_Sequence(list(p), AcceptanceCounts(self.num_drafts)) for p in prompts]
+        sequences = [_Sequence(list(p), AcceptanceCounts(self.num_speculative_tokens)) for p in prompts]
         batch = BatchedVerifier(self.verifier, self.aux_layer_ids, len(prompts))
         logits, features = self._timed_forward(batch, [s.prompt for s in sequences], prefill=True)
         for sequence, row_logits, row_features in zip(sequences, logits, features):
@@ -170,7 +171,7 @@ class SpeculativeDecoder:
         while any(active(s) for s in sequences):
             # Always K drafts, as vLLM does, even where they run past max_new_tokens: vLLM counts the drafts it
             # accepts there too, and `_finish` cuts the output back to max_new_tokens.
-            drafts = [self._draft(s, self.num_drafts) if active(s) else None for s in sequences]
+            drafts = [self._draft(s, self.num_speculative_tokens) if active(s) else None for s in sequences]
             logits, features = self._timed_forward(
                 batch, [[s.tokens[-1]] + d if d is not None else [] for s, d in zip(sequences, drafts)])
             for row, (sequence, row_drafts) in enumerate(zip(sequences, drafts)):

@@ -96,7 +96,7 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
         prompts, out = Path(scratch) / "prompts.json", Path(scratch) / "result.json"
         prompts.write_text(json.dumps([r["prompt_ids"] for r in requests]))
         command = [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", ctx.verifier_path,
-                   "--drafter", str(export_dir), "--k", str(report["num_speculative_tokens"]),
+                   "--drafter", str(export_dir), "--num-speculative-tokens", str(report["num_speculative_tokens"]),
                    "--max-tokens", str(eval_cfg.max_new_tokens), "--prompts", str(prompts), "--out", str(out),
                    "--temperature", str(eval_cfg.temperature), "--seed", str(eval_cfg.seed),
                    "--dtype", ctx.cfg.verifier.compute_dtype, "--max-model-len", str(eval_cfg.vllm.max_model_len),

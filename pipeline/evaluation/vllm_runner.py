@@ -1,7 +1,7 @@
 """Run an exported speculator in vLLM and read its spec-decode counters.
 
-    python -m pipeline.evaluation.vllm_runner --verifier DIR (--drafter DIR | --ngram MIN MAX) --k 4 \
-        --prompts prompts.json --out result.json [--baseline] [--temperature T --seed S]
+    python -m pipeline.evaluation.vllm_runner --verifier DIR (--drafter DIR | --ngram MIN MAX) \
+        --num-speculative-tokens 4 --prompts prompts.json --out result.json [--baseline] [--temperature T --seed S]
 
 prompts.json is a list of token-id lists, or an object of named sets of them ({"code": [[...], ...], ...}): then
 one engine decodes the sets one after another and the result has `per_set` counters (the engine's counters are
@@ -111,7 +111,7 @@ def main() -> None:
     drafters.add_argument("--drafter", help="an exported drafter folder (speculators format)")
     drafters.add_argument("--ngram", nargs=2, type=int, metavar=("MIN", "MAX"),
                           help="vLLM's n-gram prompt lookup instead of a drafter, n-grams of MIN..MAX tokens")
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--baseline", action="store_true", help="also decode without speculation")
@@ -134,7 +134,8 @@ def main() -> None:
     # freed with its process before the second one reserves its own.
     engine_options = {} if args.baseline else in_process_engine_on_cpu()
     engine_options.update(vllm_engine_options(args.verifier))
-    speculative = (ngram_config(args.k, *args.ngram) if args.ngram else speculative_config(args.drafter, args.k))
+    k = args.num_speculative_tokens
+    speculative = ngram_config(k, *args.ngram) if args.ngram else speculative_config(args.drafter, k)
     result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args, engine_options)}
     if args.baseline:
         result["baseline"] = generate(args.verifier, prompts, args.max_tokens, None, args, engine_options)

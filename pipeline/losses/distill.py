@@ -19,11 +19,13 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor
     return (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
-def per_depth_counts(match: torch.Tensor, depths: torch.Tensor, num_depths: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_depth_counts(match: torch.Tensor, depths: torch.Tensor,
+                     num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(correct [K], total [K]) greedy-match counts per draft depth; raw counts, to be reduced then divided."""
     match = match.long()
-    correct = torch.zeros(num_depths, dtype=torch.long, device=match.device).index_add_(0, depths, match)
-    total = torch.zeros(num_depths, dtype=torch.long, device=match.device).index_add_(0, depths, torch.ones_like(match))
+    correct = torch.zeros(num_speculative_tokens, dtype=torch.long, device=match.device).index_add_(0, depths, match)
+    total = torch.zeros(num_speculative_tokens, dtype=torch.long, device=match.device).index_add_(
+        0, depths, torch.ones_like(match))
     return correct, total
 
 

@@ -38,7 +38,7 @@ class AcceptanceProbe:
     def __init__(self, verifier_path: str, compute_dtype: str, prompts: list[list[int]], num_speculative_tokens: int,
                  max_new_tokens: int, batch_size: int, confidence_threshold: Optional[float] = None):
         self.verifier_path, self.compute_dtype = verifier_path, compute_dtype
-        self.prompts, self.k, self.max_new_tokens = prompts, num_speculative_tokens, max_new_tokens
+        self.prompts, self.num_speculative_tokens, self.max_new_tokens = prompts, num_speculative_tokens, max_new_tokens
         self.batch_size, self.confidence_threshold = batch_size, confidence_threshold
         self._verifier, self._stop_token_ids = None, ()
 
@@ -58,7 +58,7 @@ class AcceptanceProbe:
         verifier = self._load()
         # this rank's own checkpoint, not yet sealed (no integrity record to verify against)
         drafter = decoding_drafter(checkpoint, self.confidence_threshold, verified=False).to(verifier.device)
-        decoder = SpeculativeDecoder(verifier, drafter, self.k)
+        decoder = SpeculativeDecoder(verifier, drafter, self.num_speculative_tokens)
         counts = []
         for start in range(0, len(self.prompts), self.batch_size):
             counts += [c for _, c in decoder.generate_batch(self.prompts[start:start + self.batch_size],

@@ -229,9 +229,9 @@ def test_every_drafter_of_every_family_trains_exports_and_decodes_losslessly_in_
             continue
         out = tmp_path / f"{algorithm}.json"
         finished = subprocess.run([sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", path,
-                                   "--drafter", str(folder), "--k", "3", "--max-tokens", "16", "--prompts",
-                                   str(tmp_path / "prompts.json"), "--out", str(out), "--max-model-len", "512",
-                                   "--kv-cache-gb", "0.25"],
+                                   "--drafter", str(folder), "--num-speculative-tokens", "3", "--max-tokens", "16",
+                                   "--prompts", str(tmp_path / "prompts.json"), "--out", str(out),
+                                   "--max-model-len", "512", "--kv-cache-gb", "0.25"],
                                   capture_output=True, text=True, timeout=900)
         assert finished.returncode == 0, finished.stderr[-3000:]
         served = json.loads(out.read_text())["speculative"]

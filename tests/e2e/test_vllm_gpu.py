@@ -46,7 +46,8 @@ def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
     out = tmp_path / "vllm.json"
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.evaluation.vllm_runner", "--verifier", smollm2_path, "--drafter",
-         str(export), "--k", "4", "--max-tokens", "32", "--prompts", str(prompts), "--out", str(out), "--baseline"],
+         str(export), "--num-speculative-tokens", "4", "--max-tokens", "32", "--prompts", str(prompts),
+         "--out", str(out), "--baseline"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     served = json.loads(out.read_text())

@@ -309,9 +309,9 @@ def test_dpace_weights_each_draft_by_the_acceptance_it_can_still_add():
     losses = -torch.log(q)
     block = torch.tensor([0, 0, 0, 1, 1])
     draft = torch.tensor([0, 1, 2, 0, 2])
-    weights = acceptance_weights(losses, block, draft, num_blocks=2, num_drafts=3, alpha=0.0)
+    weights = acceptance_weights(losses, block, draft, num_blocks=2, num_speculative_tokens=3, alpha=0.0)
     assert torch.allclose(weights, torch.tensor([1.625, 0.625, 0.125, 0.75, 0.25]), atol=1e-6)
-    smoothed = acceptance_weights(losses, block, draft, num_blocks=2, num_drafts=3, alpha=0.5)
+    smoothed = acceptance_weights(losses, block, draft, num_blocks=2, num_speculative_tokens=3, alpha=0.5)
     assert math.isclose(float(smoothed[2]), 1.0 * 0.75 * 0.625, rel_tol=1e-6)  # s = 0.5 q + 0.5
 
 

@@ -19,11 +19,11 @@ PROMPTS = [
 ]
 
 
-def drafter_for(verifier_path, verifier, tokenizer, num_drafts=4, seed=0, algorithm="peagle", **overrides):
+def drafter_for(verifier_path, verifier, tokenizer, num_speculative_tokens=4, seed=0, algorithm="peagle", **overrides):
     from pipeline.drafters import drafter_config
 
     torch.manual_seed(seed)
-    cfg = drafter_config(algorithm, num_speculative_tokens=num_drafts, **overrides)
+    cfg = drafter_config(algorithm, num_speculative_tokens=num_speculative_tokens, **overrides)
     spec = make_spec(cfg, verifier.config, "v", verifier_path, default_mask_token_id(tokenizer))
     return build_drafter(spec).eval()
 
@@ -34,9 +34,10 @@ class OracleDrafter:
     def __init__(self, spec, continuation, prompt_length):
         self.spec, self.continuation, self.prompt_length = spec, continuation, prompt_length
 
-    def draft(self, aux_hidden, next_ids, num_drafts):
+    def draft(self, aux_hidden, next_ids, num_speculative_tokens):
         done = next_ids.shape[1] + 1 - self.prompt_length  # tokens generated so far
-        return torch.tensor(self.continuation[done:done + num_drafts] + [0] * num_drafts)[:num_drafts]
+        k = num_speculative_tokens
+        return torch.tensor(self.continuation[done:done + k] + [0] * k)[:k]
 
 
 def prompt_tokens(tokenizer, text):
@@ -45,14 +46,14 @@ def prompt_tokens(tokenizer, text):
     return prompt_ids(tokenizer, [{"role": "user", "content": text}])
 
 
-@pytest.mark.parametrize("algorithm,num_drafts", [("peagle", 1), ("peagle", 3), ("peagle", 5), ("eagle3", 4),
-                                                  ("dflash", 4), ("dspark", 4)])
-def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algorithm, num_drafts):
+@pytest.mark.parametrize("algorithm,num_speculative_tokens", [("peagle", 1), ("peagle", 3), ("peagle", 5),
+                                                                ("eagle3", 4), ("dflash", 4), ("dspark", 4)])
+def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algorithm, num_speculative_tokens):
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     # DSpark truncates with a threshold: blocks of varying length must stay lossless too
     drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 5, algorithm=algorithm)
     drafter.confidence_threshold = 0.3
-    decoder = SpeculativeDecoder(verifier, drafter, num_drafts)
+    decoder = SpeculativeDecoder(verifier, drafter, num_speculative_tokens)
     for text in PROMPTS:
         prompt = prompt_tokens(tokenizer, text)
         tokens, counts = decoder.generate(prompt, 20, (tokenizer.eos_token_id,))

@@ -51,10 +51,10 @@ class OracleDrafter:
         self.verifier, self.spec = verifier, SimpleNamespace(aux_layer_ids=[1])
 
     @torch.no_grad()
-    def draft(self, aux_hidden, next_ids, num_drafts):
+    def draft(self, aux_hidden, next_ids, num_speculative_tokens):
         sequence = [PROMPT[0]] + next_ids[0].tolist()
         drafts = []
-        for _ in range(num_drafts):
+        for _ in range(num_speculative_tokens):
             drafts.append(int(self.verifier(input_ids=torch.tensor([sequence + drafts])).logits[0, -1].argmax()))
         return torch.tensor(drafts)
 
@@ -85,8 +85,8 @@ def exact_marginals(verifier, depth: int) -> list[torch.Tensor]:
 
 
 def test_the_speculative_decoder_samples_as_the_verifier_does_at_temperature_one(small_verifier):
-    decoder = SpeculativeDecoder(small_verifier, OracleDrafter(small_verifier), num_drafts=2, temperature=1.0,
-                                       seed=0)
+    decoder = SpeculativeDecoder(small_verifier, OracleDrafter(small_verifier), num_speculative_tokens=2,
+                                 temperature=1.0, seed=0)
     runs = 1500  # enough for a chi-square test to catch a wrong acceptance rule at p < 1e-3 at each position
     counts = torch.zeros(3, VOCAB)
     decoder_counts = None

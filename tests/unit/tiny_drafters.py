@@ -13,7 +13,7 @@ ALGORITHMS = sorted(DRAFTERS)
 OPTIONS = {"depth_keep_decay": 0.8, "max_anchors": 8, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0}
 
 
-def tiny_spec(algorithm: str = "peagle", num_drafts: int = 4, draft_token_ids=None, **extra) -> DrafterSpec:
+def tiny_spec(algorithm: str = "peagle", num_speculative_tokens: int = 4, draft_token_ids=None, **extra) -> DrafterSpec:
     layer = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
              "max_position_embeddings": 256}
@@ -23,7 +23,8 @@ def tiny_spec(algorithm: str = "peagle", num_drafts: int = 4, draft_token_ids=No
     values = {**defaults, **extra}
     return DrafterSpec(algorithm=algorithm, verifier_name="tiny", verifier_path="-",
                        transformer_layer_config=cls.adapt_layer_config(layer), aux_layer_ids=[1, 2, 3],
-                       num_speculative_tokens=num_drafts, mask_token_id=VOCAB - 1, draft_token_ids=draft_token_ids,
+                       num_speculative_tokens=num_speculative_tokens, mask_token_id=VOCAB - 1,
+                       draft_token_ids=draft_token_ids,
                        extra={k: values[k] for k in cls.extra_keys})
 
 
@@ -32,9 +33,9 @@ def verifier_tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(VOCAB, HIDDEN, generator=generator), torch.randn(VOCAB, HIDDEN, generator=generator)
 
 
-def tiny_drafter(algorithm: str = "peagle", num_drafts: int = 4, **kwargs):
+def tiny_drafter(algorithm: str = "peagle", num_speculative_tokens: int = 4, **kwargs):
     torch.manual_seed(0)
-    return build_drafter(tiny_spec(algorithm, num_drafts, **kwargs), verifier_tensors()).float()
+    return build_drafter(tiny_spec(algorithm, num_speculative_tokens, **kwargs), verifier_tensors()).float()
 
 
 def tiny_samples(count: int = 2, length: int = 24, prompt: int = 6, seed: int = 5) -> list[dict]:

@@ -49,13 +49,13 @@ def block_attention_allowed(context_length: int, anchors: torch.Tensor, anchor_v
     return torch.cat([context, within], dim=-1)
 
 
-def position_decay(num_drafts: int, gamma: float) -> torch.Tensor:
+def position_decay(num_speculative_tokens: int, gamma: float) -> torch.Tensor:
     """DFlash's loss weight per draft index j (0 = nearest): exp(-j / gamma), so near positions dominate."""
-    return torch.tensor([math.exp(-j / gamma) for j in range(num_drafts)])
+    return torch.tensor([math.exp(-j / gamma) for j in range(num_speculative_tokens)])
 
 
 def acceptance_weights(row_losses: torch.Tensor, block_of_row: torch.Tensor, draft_of_row: torch.Tensor,
-                       num_blocks: int, num_drafts: int, alpha: float) -> torch.Tensor:
+                       num_blocks: int, num_speculative_tokens: int, alpha: float) -> torch.Tensor:
     """D-PACE loss weights (speculators' `per_position_loss_weight=dpace`): each draft weighs what the block's
     expected accepted length gains from it.
 
@@ -65,11 +65,11 @@ def acceptance_weights(row_losses: torch.Tensor, block_of_row: torch.Tensor, dra
     derivative of the expected accepted length with respect to log s_j. Drafts with no row (outside the answer) count
     as s = 1 and get no weight. No gradient flows through the weights.
 
-    row_losses [M] (each row's CE), block_of_row [M] in [0, num_blocks), draft_of_row [M] in [0, num_drafts) ->
+    row_losses [M] (each row's CE), block_of_row [M] in [0, num_blocks), draft_of_row [M] in [0, K) ->
     weights [M]."""
     with torch.no_grad():
-        smooth = torch.ones(num_blocks, num_drafts, device=row_losses.device)
-        present = torch.zeros(num_blocks, num_drafts, device=row_losses.device)
+        smooth = torch.ones(num_blocks, num_speculative_tokens, device=row_losses.device)
+        present = torch.zeros(num_blocks, num_speculative_tokens, device=row_losses.device)
         smooth[block_of_row, draft_of_row] = (1.0 - alpha) * torch.exp(-row_losses.float()) + alpha
         present[block_of_row, draft_of_row] = 1.0
         reach = torch.cumprod(smooth, dim=-1) * present  # [blocks, K]: P(accepted through draft i)

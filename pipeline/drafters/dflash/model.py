@@ -129,8 +129,8 @@ class DFlashDrafter(DrafterBase):
         self.init_linear_weights(init_std)
 
     @staticmethod
-    def block_size_for(num_drafts: int, sample_from_anchor: bool) -> int:
-        return num_drafts if sample_from_anchor else num_drafts + 1
+    def block_size_for(num_speculative_tokens: int, sample_from_anchor: bool) -> int:
+        return num_speculative_tokens if sample_from_anchor else num_speculative_tokens + 1
 
     @staticmethod
     def default_aux_layer_ids(num_verifier_layers: int) -> list[int]:
@@ -193,9 +193,9 @@ class DFlashDrafter(DrafterBase):
         return self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
 
     @torch.no_grad()
-    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
         hidden = self.block_after_context(aux_hidden, next_ids)
-        return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_drafts]
+        return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_speculative_tokens]
 
     def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
                       generator: torch.Generator | None = None):
@@ -203,14 +203,14 @@ class DFlashDrafter(DrafterBase):
 
 
 def _row_weights(options: dict[str, Any], block_of_row: torch.Tensor, draft_of_row: torch.Tensor, num_blocks: int,
-                 num_drafts: int):
+                 num_speculative_tokens: int):
     """Loss weight per row: exp(-j / loss_decay_gamma) of its draft index j ("decay"), or D-PACE's acceptance
     weights computed from the rows' own losses ("dpace", `acceptance_weights`)."""
     if options["position_weighting"] == "dpace":
         return functools.partial(acceptance_weights, block_of_row=block_of_row, draft_of_row=draft_of_row,
-                                 num_blocks=num_blocks, num_drafts=num_drafts,
+                                 num_blocks=num_blocks, num_speculative_tokens=num_speculative_tokens,
                                  alpha=float(options["dpace_alpha"]))
-    decay = position_decay(num_drafts, float(options["loss_decay_gamma"]))
+    decay = position_decay(num_speculative_tokens, float(options["loss_decay_gamma"]))
     return decay.to(draft_of_row.device)[draft_of_row]
 
 
@@ -221,11 +221,11 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
 
     Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's heads need.
     """
-    num_drafts, bs = model.spec.num_speculative_tokens, model.block_size
+    num_speculative_tokens, bs = model.spec.num_speculative_tokens, model.block_size
     anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options["max_anchors"], generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
         zero = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
-        zeros = torch.zeros(num_drafts, dtype=torch.long, device=zero.device)
+        zeros = torch.zeros(num_speculative_tokens, dtype=torch.long, device=zero.device)
         return zero, zeros, zeros.clone(), None
     anchors = pad_stack([a if a.numel() else torch.zeros(1, dtype=torch.long) for a in anchor_lists], 0)  # [B, N]
     anchor_valid = pad_stack([torch.ones(max(a.numel(), 1), dtype=torch.bool) & (a.numel() > 0)
@@ -240,7 +240,7 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     hidden = hidden.view(*anchors.shape, bs, -1)[:, :, model.first_draft_slot:]  # [B, N, K, H]: drafting slots
 
     # [B, N, K]: draft j of block p is p + 1 + j
-    target_pos = anchors[:, :, None] + 1 + torch.arange(num_drafts, device=anchors.device)
+    target_pos = anchors[:, :, None] + 1 + torch.arange(num_speculative_tokens, device=anchors.device)
     length = input_ids.shape[1]
     inside = target_pos < length
     trainable = anchor_valid[:, :, None] & inside & torch.gather(
@@ -253,7 +253,7 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     with torch.no_grad():
         teacher = model.teacher_logits(last.reshape(-1, last.shape[-1])[unique_pos])  # [U, V]: the verifier's view
     rows = hidden[b, n, j]  # [M, H]
-    weights = _row_weights(options, b * anchors.shape[1] + n, j, anchors.numel(), num_drafts)
+    weights = _row_weights(options, b * anchors.shape[1] + n, j, anchors.numel(), num_speculative_tokens)
     # The head's [M, Vd] logits are computed blockwise, never held (DSpark's Markov bias is one [U, Vd] input: the
     # rows of a position share its previous token).
     loss, correct, total, acceptance = distill_hidden_rows(

@@ -94,11 +94,11 @@ class DSparkDrafter(DFlashDrafter):
         return self.confidence_head(features)
 
     @torch.no_grad()
-    def draft_with_confidence(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int):
+    def draft_with_confidence(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int):
         """(all K drafts as target ids, their confidences): base logits in one forward, then the Markov bias and
         the confidence one draft at a time, each conditioned on the draft before it."""
         hidden = self.block_after_context(aux_hidden, next_ids)
-        base = self.draft_logits(hidden)[:num_drafts]  # [K, Vd]
+        base = self.draft_logits(hidden)[:num_speculative_tokens]  # [K, Vd]
         previous = next_ids[0, -1]
         drafts, confidences = [], []
         for k in range(base.shape[0]):
@@ -108,8 +108,8 @@ class DSparkDrafter(DFlashDrafter):
         return torch.stack(drafts), torch.stack(confidences)
 
     @torch.no_grad()
-    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        drafts, confidences = self.draft_with_confidence(aux_hidden, next_ids, num_drafts)
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        drafts, confidences = self.draft_with_confidence(aux_hidden, next_ids, num_speculative_tokens)
         return drafts[: keep_count(confidences, self.confidence_threshold)]
 
     def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],

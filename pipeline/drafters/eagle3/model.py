@@ -104,8 +104,8 @@ class Eagle3Drafter(EagleFamilyDrafter):
         return self.norm(out) if self.norm_output else out
 
     @torch.no_grad()
-    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        """Greedy drafts for one sequence, one forward per token: [num_drafts] target ids. The context's rows run
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        """Greedy drafts for one sequence, one forward per token: [K] target ids. The context's rows run
         once; each draft's row attends to them through the cache, as in training."""
         from transformers import DynamicCache
 
@@ -117,11 +117,11 @@ class Eagle3Drafter(EagleFamilyDrafter):
         keys: tuple[torch.Tensor, ...] = rows
         out = self.run_layers_cached(self._rows_input(aux_hidden, next_ids, *rows[:2], None), rows, keys, cache)
         tokens, drafts = next_ids, []
-        for depth in range(num_drafts):
+        for depth in range(num_speculative_tokens):
             last = out[:, -1:]  # [1, 1, H]: the row that drafts this token
             draft_id = self.lm_head(self.norm(last[:, 0])).argmax(dim=-1)  # [1]
             drafts.append(self.to_target_ids(draft_id))
-            if depth + 1 == num_drafts:
+            if depth + 1 == num_speculative_tokens:
                 break
             tokens = torch.cat([tokens, drafts[-1][None]], dim=1)  # row (last, depth + 1) reads this token
             rows = (torch.full((1, 1), context - 1, device=device), torch.full((1, 1), depth + 1, device=device),

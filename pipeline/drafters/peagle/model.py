@@ -61,10 +61,10 @@ class PEagleDrafter(EagleFamilyDrafter):
         return self.norm(self.run_layers(x, anchors, depths, valid))
 
     @torch.no_grad()
-    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        """Greedy drafts for one sequence: aux_hidden [1, T, A*H], next_ids [1, T] -> [num_drafts] target ids."""
-        anchors, depths = inference_rows(aux_hidden.shape[1], num_drafts)
+    def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        """Greedy drafts for one sequence: aux_hidden [1, T, A*H], next_ids [1, T] -> [K] target ids."""
+        anchors, depths = inference_rows(aux_hidden.shape[1], num_speculative_tokens)
         anchors, depths = anchors[None].to(aux_hidden.device), depths[None].to(aux_hidden.device)
         valid = torch.ones_like(anchors, dtype=torch.bool)
-        hidden = self.forward(aux_hidden, next_ids, anchors, depths, valid)[0, -num_drafts:]  # [K, H]
+        hidden = self.forward(aux_hidden, next_ids, anchors, depths, valid)[0, -num_speculative_tokens:]  # [K, H]
         return self.to_target_ids(self.lm_head(hidden).argmax(dim=-1))
