@@ -6,12 +6,13 @@ layers). A new drafter is a folder pipeline/drafters/<name>/ and one entry in DR
 
 from pipeline.drafters.common import DrafterBase
 from pipeline.drafters.dflash import DFlashDrafter
+from pipeline.drafters.dflash2 import DFlash2Drafter
 from pipeline.drafters.dspark import DSparkDrafter
 from pipeline.drafters.eagle3 import Eagle3Drafter
 from pipeline.drafters.peagle import PEagleDrafter
 
 DRAFTERS: dict[str, type[DrafterBase]] = {
-    cls.algorithm: cls for cls in (Eagle3Drafter, PEagleDrafter, DFlashDrafter, DSparkDrafter)}
+    cls.algorithm: cls for cls in (Eagle3Drafter, PEagleDrafter, DFlashDrafter, DSparkDrafter, DFlash2Drafter)}
 
 
 def drafter_class(name: str) -> type[DrafterBase]:

@@ -88,7 +88,7 @@ def _eager_loss_kwargs(algorithm):
     from speculators.losses import resolve_loss_config
 
     kwargs = {"loss_config": _eager_loss()}
-    if algorithm == "dspark":
+    if algorithm in ("dspark", "dflash2"):
         kwargs["tv_loss_fn"] = resolve_loss_config("tv", "eager")["tv"][0]
     return kwargs
 
@@ -170,6 +170,62 @@ def test_block_drafter_logits_match(algorithm, tmp_path, family, monkeypatch):
         bias = theirs.markov_head.block_bias(prev_token_ids=previous[None], hidden_states=hidden[None],
                                              prev_emb=theirs.markov_head.prev_embeddings(previous[None]))
         assert torch.allclose(ours.correct_logits(torch.zeros(1), previous), bias[0], atol=TOLERANCE)
+
+
+DFLASH2_SMALL = {"selector_rank": 8, "selector_top_k": 6}  # the codebooks are [V, rank]: keep them small here
+
+
+def test_dflash2_unary_logits_and_selector_scores_match(tmp_path, family, monkeypatch):
+    """Their DFlash2DraftModel.from_pretrained loads our export: the block rows' unary logits (through the grouped
+    convolutions) and the selector's candidate scores on their own candidates agree with ours."""
+    import speculators.models.dflash.core as dflash_core
+
+    ours = _ours("dflash2", *family, **DFLASH2_SMALL)
+    with torch.no_grad():  # transition scores of order one, so a wrong one shows beside the unary logits
+        for tensor in ours.candidate_selector.parameters():
+            tensor.normal_(std=1.0)
+    folder = export_speculators(ours, tmp_path / "dflash2", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["selector_top_k"] == 6
+    theirs = _theirs(folder)
+    assert type(theirs).__name__ == "DFlash2DraftModel"
+    aux, ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, len(ours.spec.aux_layer_ids), seed=4)
+    anchors = sample_anchors(torch.ones(LENGTH, dtype=torch.long), ours.block_size, 1, 4,
+                             torch.Generator().manual_seed(0))
+    anchors = anchors[anchors + ours.block_size <= LENGTH]
+    monkeypatch.setattr(dflash_core, "select_anchors",
+                        lambda *_a, **_k: (anchors, torch.ones_like(anchors, dtype=torch.bool)))
+    logits, handle = _capture_outputs(theirs.lm_head)
+    scored = []
+    score_candidates = theirs.candidate_selector.score_candidates
+
+    def recording(unary, hidden, predecessors, candidates):
+        scored.append((hidden.detach(), predecessors, candidates, score_candidates(unary, hidden, predecessors,
+                                                                                   candidates).detach()))
+        return scored[-1][-1]
+
+    monkeypatch.setattr(theirs.candidate_selector, "score_candidates", recording)
+    theirs(hidden_states=aux, input_ids=ids, loss_mask=torch.ones_like(ids), verifier_last_hidden_states=last,
+           document_ids=torch.zeros_like(ids), max_anchors=anchors.numel(), **_eager_loss_kwargs("dflash2"))
+    handle.remove()
+
+    hidden = ours(aux, ids, anchors[None], torch.ones(1, anchors.numel(), dtype=torch.bool))[0]  # [N*bs, H]
+    assert torch.allclose(ours.lm_head(hidden), logits[0][0], atol=TOLERANCE)
+    their_hidden, predecessors, candidates, their_scores = scored[0]
+    assert torch.allclose(hidden, their_hidden[0], atol=TOLERANCE)
+    mine = ours.candidate_scores(their_hidden[0], predecessors[0], candidates[0])
+    assert torch.allclose(mine, their_scores[0], atol=TOLERANCE)
+
+
+def test_dflash2_export_round_trip_keeps_weights_and_options(tmp_path, verifier_config, tiny_verifier_path):
+    ours = _ours("dflash2", verifier_config, tiny_verifier_path, conv_kernel_size=3, **DFLASH2_SMALL)
+    folder = export_speculators(ours, tmp_path / "dflash2")
+    back = load_speculators(folder, tiny_verifier_path)
+    assert back.spec.extra == ours.spec.extra and back.spec.extra["conv_kernel_size"] == 3
+    for name, tensor in ours.state_dict().items():
+        expected = tensor if name in ours.not_exported else tensor.to(torch.bfloat16).float()
+        assert torch.equal(back.state_dict()[name], expected), name
+    assert _theirs(folder).config.conv_kernel_size == 3
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle", "dflash", "dspark"])

@@ -10,7 +10,8 @@ from pipeline.drafters.common import DrafterSpec
 
 HIDDEN, VOCAB = 32, 50
 ALGORITHMS = sorted(DRAFTERS)
-OPTIONS = {"depth_keep_decay": 0.8, "max_anchors": 8, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0}
+OPTIONS = {"depth_keep_decay": 0.8, "max_anchors": 8, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0,
+           "selector_loss_alpha": 1.0}
 
 
 def tiny_spec(algorithm: str = "peagle", num_speculative_tokens: int = 4, draft_token_ids=None, **extra) -> DrafterSpec:
@@ -19,7 +20,8 @@ def tiny_spec(algorithm: str = "peagle", num_speculative_tokens: int = 4, draft_
              "max_position_embeddings": 256}
     cls = DRAFTERS[algorithm]
     defaults = {"causal_block": False, "markov_rank": 8, "norm_before_fc": False, "norm_output": False,
-                "embed_requires_grad": False}
+                "embed_requires_grad": False, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                "selector_top_k": 16}
     values = {**defaults, **extra}
     return DrafterSpec(algorithm=algorithm, verifier_name="tiny", verifier_path="-",
                        transformer_layer_config=cls.adapt_layer_config(layer), aux_layer_ids=[1, 2, 3],

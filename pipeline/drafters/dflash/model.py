@@ -219,7 +219,9 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     """Position-decayed distillation over random anchor blocks. options: resolved over the drafter's schema
     (DrafterBase.resolved_options; both callers' training_loss resolve them once).
 
-    Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's heads need.
+    Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's and DFlash2's heads need:
+    each trained row's hidden state [M, H], previous token, weight, acceptance, draft index j and the verifier's
+    greedy token.
     """
     num_speculative_tokens, bs = model.spec.num_speculative_tokens, model.block_size
     anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options["max_anchors"], generator) for s in samples]
@@ -259,4 +261,5 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     loss, correct, total, acceptance = distill_hidden_rows(
         model, rows, teacher, j, weights, teacher_rows, bias=model.logit_bias(input_ids.reshape(-1)[unique_pos]),
         with_acceptance=model.biases_logits, target=options["distill_target"])
-    return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance}
+    return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance,
+                                  "draft_index": j, "teacher_argmax": teacher.argmax(dim=-1)[teacher_rows]}
