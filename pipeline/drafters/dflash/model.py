@@ -123,10 +123,14 @@ class DFlashDrafter(DrafterBase):
         self.causal_block = bool(spec.extra.get("causal_block", False))
         self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = qwen3().Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config) for _ in range(spec.num_layers))
         self.norm = qwen3().Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = qwen3().Qwen3RotaryEmbedding(config)
         self.init_linear_weights(init_std)
+
+    def make_layer(self, config) -> nn.Module:
+        """One drafter layer (DFlash2 wraps its sublayers in convolutions); self.block_size is set."""
+        return DFlashDecoderLayer(config)
 
     @staticmethod
     def block_size_for(num_speculative_tokens: int, sample_from_anchor: bool) -> int:

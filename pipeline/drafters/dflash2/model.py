@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafters.common import DrafterSpec
-from pipeline.drafters.dflash.blocks import position_decay
 from pipeline.drafters.dflash.model import DFlashDecoderLayer, DFlashDrafter, block_loss
 from pipeline.drafters.dflash2.config import DFlash2Config
 
@@ -134,17 +133,16 @@ class DFlash2Drafter(DFlashDrafter):
         if spec.draft_vocab_size != spec.vocab_size:
             raise ValueError("dflash2: needs the verifier's full vocabulary (drafter.draft_vocab_size null)")
         super().__init__(spec, init_std)
-        config = spec.layer_config()
-        kernel, group = int(spec.extra["conv_kernel_size"]), int(spec.extra["conv_group_size"])
-        self.layers = nn.ModuleList(DFlash2DecoderLayer(config, self.block_size, kernel, group)
-                                    for _ in range(spec.num_layers))
-        self.init_linear_weights(init_std)
         for module in self.modules():  # identity convolutions: the projections' random init would perturb DFlash
             if isinstance(module, GroupedDynamicConv):
                 module.reset_to_identity()
         self.candidate_selector = CandidateSelector(spec.vocab_size, spec.hidden_size, int(spec.extra["selector_rank"]),
                                                     int(spec.extra["selector_top_k"]), init_std)
         nn.init.normal_(self.candidate_selector.hidden_projection.weight, std=init_std)
+
+    def make_layer(self, config) -> nn.Module:
+        return DFlash2DecoderLayer(config, self.block_size, int(self.spec.extra["conv_kernel_size"]),
+                                   int(self.spec.extra["conv_group_size"]))
 
     def candidate_scores(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor,
                          candidate_ids: torch.Tensor) -> torch.Tensor:
@@ -183,8 +181,7 @@ class DFlash2Drafter(DFlashDrafter):
         hidden, target, slot = extras["hidden"], extras["teacher_argmax"], extras["draft_index"]
         candidates, target_position = training_candidates(self.unary_top_k(hidden.detach()), target)
         scores = self.candidate_scores(hidden, extras["previous"], candidates).float()
-        weights = position_decay(self.spec.num_speculative_tokens, float(options["loss_decay_gamma"]))
-        weights = weights.to(scores.device)[slot]
+        weights = extras["weights"]  # the rows' fixed position decay (DFlash2Config refuses "dpace")
         per_row = F.cross_entropy(scores, target_position, reduction="none")
         selector_loss = (per_row * weights).sum() / weights.sum()
         chosen = candidates.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
