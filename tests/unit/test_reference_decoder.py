@@ -47,7 +47,8 @@ def prompt_tokens(tokenizer, text):
 
 
 @pytest.mark.parametrize("algorithm,num_speculative_tokens", [("peagle", 1), ("peagle", 3), ("peagle", 5),
-                                                                ("eagle3", 4), ("dflash", 4), ("dspark", 4)])
+                                                                ("eagle3", 4), ("dflash", 4), ("dspark", 4),
+                                                                ("dflash2", 4)])
 def test_random_drafter_is_lossless_on_a_tiny_verifier(tiny_verifier_path, algorithm, num_speculative_tokens):
     verifier, tokenizer = load_verifier(tiny_verifier_path)
     # DSpark truncates with a threshold: blocks of varying length must stay lossless too
