@@ -33,7 +33,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-DRAFTERS = ["eagle3", "peagle", "dflash", "dspark"]
+from pipeline.config.schema import DeepSpeedConfig, TrainingConfig  # noqa: E402
+
+DRAFTERS = ["eagle3", "peagle", "dflash", "dspark", "dflash2"]
 DEVICE = "cuda"
 SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                  "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
@@ -111,9 +113,9 @@ def capture_samples(verifier_path: Path, layer_ids: list[int], count: int, out: 
             "response_lengths": [len(r) for r in responses[:8]]}
 
 
-def training_config(steps: int) -> dict:
-    return {"lr": 2e-3, "weight_decay": 0.0, "warmup_steps": 2, "max_steps": steps, "grad_clip": 1.0,
-            "grad_accum_steps": 1}
+def training_config(steps: int) -> TrainingConfig:
+    return TrainingConfig(lr=2e-3, weight_decay=0.0, warmup_steps=2, max_steps=steps, grad_clip=1.0,
+                          grad_accum_steps=1)
 
 
 def train(engine, samples: list[dict], options: dict, steps: int, autocast,
@@ -145,7 +147,7 @@ def moved(before: dict, model) -> float:
 
 
 def check_training(name: str, verifier_path: Path, samples: list[dict], steps: int) -> dict:
-    from pipeline.training.loop import Engine, resolve_autocast
+    from pipeline.training.engine import Engine, resolve_autocast
 
     options = dict(drafter_config(name))
     autocast = resolve_autocast("auto", DEVICE)
@@ -153,7 +155,7 @@ def check_training(name: str, verifier_path: Path, samples: list[dict], steps: i
     for label, dtype in (("bf16", autocast), ("fp32", None)):
         model = build(name, verifier_path, "cpu").train()
         before = trainable_copy(model)
-        engine = Engine(model, training_config(steps), {"enabled": False}, micro_batch=4)
+        engine = Engine(model, training_config(steps), DeepSpeedConfig(enabled=False), micro_batch=4)
         losses, step_s = train(engine, samples, options, steps if label == "bf16" else 10, dtype)
         result[label] = {"first_loss": losses[0], "last_loss": losses[-1], "step_s": step_s,
                          "weights_moved": moved(before, engine.module)}
@@ -176,12 +178,12 @@ def init_single_process_group() -> None:
 
 def check_deepspeed(stage: int, verifier_path: Path, samples: list[dict], steps: int) -> dict:
     from pipeline.training import dist
-    from pipeline.training.loop import Engine
+    from pipeline.training.engine import Engine
     from pipeline.training.resume import DEEPSPEED_DIR, DEEPSPEED_TAG
 
     init_single_process_group()
     options = dict(drafter_config("peagle"))
-    ds = {"enabled": True, "zero_stage": stage, "bf16": True}
+    ds = DeepSpeedConfig(enabled=True, zero_stage=stage, bf16=True)
     model = build("peagle", verifier_path, "cpu").train()
     engine = Engine(model, training_config(steps), ds, micro_batch=4)
     losses, step_s = train(engine, samples, options, steps, torch.bfloat16)

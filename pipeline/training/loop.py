@@ -1,4 +1,6 @@
-"""The per-worker training loop. Rank and world size come from `pipeline.training.dist` only."""
+"""The per-worker training loop (Ray Train's train_loop_per_worker): the store's data stream, the steps, the metrics
+and the checkpoints it reports. Rank and world size come from `pipeline.training.dist` only; the engine (DeepSpeed
+or torch) is pipeline/training/engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, load_trainable_weights, save_checkpoint
+from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, save_checkpoint
+from pipeline.config.schema import TrainingConfig
 from pipeline.data.store import load_manifest, read_samples, sample_locations
 from pipeline.drafters.build import build_drafter
 from pipeline.drafters.common import DrafterSpec
@@ -21,68 +24,12 @@ from pipeline.integrity import seal
 from pipeline.metrics import expected_tau
 from pipeline.tracking import client_for, log_metric_batch
 from pipeline.training import dist
+from pipeline.training.engine import Engine, resolve_autocast
 from pipeline.training.feed import plan_row, stream_micro_batches
-from pipeline.training.optim import (
-    deepspeed_grad_clip,
-    deepspeed_optimizer,
-    deepspeed_param_groups,
-    lr_factor,
-    torch_optimizers,
-)
 from pipeline.training.order import GlobalOrder
-from pipeline.training.resume import (
-    DEEPSPEED_DIR,
-    DEEPSPEED_TAG,
-    OPTIMIZER_FILE,
-    UNIVERSAL_TAG,
-    ResumePoint,
-    convert_to_universal,
-    micro_batch_for,
-    needs_universal,
-    read_resume_point,
-)
+from pipeline.training.resume import micro_batch_for, needs_universal, read_resume_point
 from pipeline.training.validation import split_validation, validate, validation_share
-
-AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def native_bf16(device_type: str) -> bool:
-    """Whether this device computes bf16 in hardware (emulated bf16 matmuls are far slower than fp32)."""
-    if device_type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX512-BF16 or AMX
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def resolve_autocast(name: str | None, device_type: str) -> torch.dtype | None:
-    """training.autocast_dtype -> the dtype to autocast to (None = fp32); `auto` asks the hardware."""
-    if name == "auto":
-        return torch.bfloat16 if native_bf16(device_type) else None
-    return AUTOCAST.get(name or "")
-
-
-def deepspeed_config(ds: dict, training: dict, micro_batch: int, load_universal: bool = False) -> dict:
-    config = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": training["grad_accum_steps"],
-        "gradient_clipping": deepspeed_grad_clip(training),
-        "zero_optimization": {"stage": ds["zero_stage"]},
-        "bf16": {"enabled": bool(ds["bf16"])},
-        # AdamW is a torch optimizer handed to DeepSpeed (Engine): DeepSpeed calls that untested.
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**9,
-    }
-    if ds.get("offload_optimizer"):
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if ds.get("offload_params"):
-        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    if load_universal:
-        config["checkpoint"] = {"load_universal": True}
-    config.update(ds.get("extra") or {})
-    return config
+from pipeline.training.worker_config import ValTauSettings, WorkerConfig
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -90,106 +37,10 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 1009 + rank) % (2**63)
 
 
-class Engine:
-    """DeepSpeed engine when enabled, else plain torch (single worker or DDP-free averaging of grads)."""
-
-    def __init__(self, model: torch.nn.Module, training: dict, ds: dict, micro_batch: int,
-                 load_universal: bool = False):
-        factor = lr_factor(training["lr_schedule"], training["warmup_steps"], training["max_steps"],
-                           training["min_lr_ratio"])
-        self.uses_deepspeed = bool(ds["enabled"])
-        if self.uses_deepspeed:
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-            config = deepspeed_config(ds, training, micro_batch, load_universal)
-            muon = deepspeed_optimizer(training)
-            if muon:  # DeepSpeed builds its own ZeRO-aware Muon from the config
-                config["optimizer"] = muon
-                client, params = None, deepspeed_param_groups(model, training)
-            else:  # a torch AdamW handed to DeepSpeed: no op compilation on CPU, the same math on every backend
-                (client,), params = torch_optimizers(model, training), None
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=client, model_parameters=params, config=config,
-                lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
-            self.module = self.engine.module
-        else:  # DeepSpeed places the model itself
-            self.module = model.to(dist.device())
-            self.optimizers = torch_optimizers(self.module, training)
-            self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
-            self.params = [p for p in self.module.parameters() if p.requires_grad]
-            self.clip, self.accum = training["grad_clip"], training["grad_accum_steps"]
-
-    def save_state(self, folder: Path) -> None:
-        """Optimizer, scheduler (and, with DeepSpeed, weights) into `folder`; every rank calls it."""
-        if self.uses_deepspeed:
-            self.engine.save_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
-        elif dist.is_rank_zero():
-            torch.save({"optimizers": [o.state_dict() for o in self.optimizers],
-                        "schedulers": [s.state_dict() for s in self.schedulers]}, folder / OPTIMIZER_FILE)
-
-    def full_weights(self):
-        """Context in which the module holds whole tensors: ZeRO-3 partitions them over the ranks, so every rank
-        enters it (a collective gather); other stages already hold whole weights."""
-        if self.zero_stage() != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
-
-    def load_state(self, point: ResumePoint, scratch: Path) -> None:
-        if point.uses_deepspeed != self.uses_deepspeed:
-            raise RuntimeError(f"checkpoint {point.folder} was written with deepspeed.enabled={point.uses_deepspeed}")
-        if not self.uses_deepspeed:
-            load_trainable_weights(self.module, point.folder)
-            state = torch.load(point.folder / OPTIMIZER_FILE, weights_only=True)
-            saved = state.get("optimizers", [state.get("optimizer")])  # one AdamW before training.optimizer
-            if len(saved) != len(self.optimizers):
-                raise RuntimeError(f"checkpoint {point.folder} holds {len(saved)} optimizer states, this run's "
-                                   f"training.optimizer has {len(self.optimizers)}")
-            for optimizer, optimizer_state in zip(self.optimizers, saved):
-                optimizer.load_state_dict(optimizer_state)
-            for scheduler, scheduler_state in zip(self.schedulers, state.get("schedulers", [state.get("scheduler")])):
-                scheduler.load_state_dict(scheduler_state)
-            return
-        if needs_universal(point, dist.world_size(), self.zero_stage()):
-            self.engine.load_checkpoint(str(convert_to_universal(point, scratch)), tag=UNIVERSAL_TAG)
-        else:
-            self.engine.load_checkpoint(str(point.deepspeed_dir), tag=DEEPSPEED_TAG)
-
-    def backward_and_step(self, loss: torch.Tensor, boundary: bool = True) -> None:
-        """Backward one micro-batch's mean loss; step the optimizer at the last micro-batch of a step (`boundary`).
-        DeepSpeed counts the micro-batches (gradient_accumulation_steps) and scales the loss itself; without it the
-        loss is scaled here and the gradients add up until the boundary."""
-        if self.uses_deepspeed:
-            self.engine.backward(loss)
-            self.engine.step()
-            return
-        (loss / self.accum).backward()
-        if not boundary:
-            return
-        for param in self.params:  # average gradients across workers
-            if param.grad is not None:
-                dist.all_reduce_sum(param.grad).div_(dist.world_size())
-        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    def zero_stage(self) -> int:
-        return int(self.engine.zero_optimization_stage()) if self.uses_deepspeed else -1
-
-    def lr(self) -> float:
-        """The current learning rate of the last parameter group: AdamW's (with Muon, the non-matrix half's)."""
-        groups = self.optimizer.param_groups if self.uses_deepspeed else self.optimizers[-1].param_groups
-        return float(groups[-1]["lr"])
-
-
 class StoreData:
     """Where the store's samples lie (no hidden states): the order is planned on these, Ray Data reads them."""
 
-    def __init__(self, store_dir: Path, spec: DrafterSpec, last_layer_id: int, training: dict):
+    def __init__(self, store_dir: Path, spec: DrafterSpec, last_layer_id: int, training: TrainingConfig):
         self.store_dir, self.aux_layer_ids, self.last_layer_id = store_dir, list(spec.aux_layer_ids), last_layer_id
         # The driver verified every shard's hash before starting the workers: reading the store again here
         # would cost each worker a full pass over it.
@@ -197,7 +48,7 @@ class StoreData:
         if manifest is None:
             raise PipelineError(f"train: the store at {store_dir} has no manifest; run the generate stage")
         locations = sample_locations(store_dir, manifest)
-        self.train, held_out = split_validation(locations, training["val_samples"], training["seed"])
+        self.train, held_out = split_validation(locations, training.val_samples, training.seed)
         self.held_out = self.read(held_out)  # a few samples, validated at every checkpoint: kept in memory
 
     def read(self, locations: list[dict]) -> list[dict]:
@@ -206,15 +57,15 @@ class StoreData:
     def lengths(self) -> list[int]:
         return [w["end"] - w["start"] for w in self.train]
 
-    def stream(self, order: GlobalOrder, start: int, training: dict, rank: int, world: int):
+    def stream(self, order: GlobalOrder, start: int, training: TrainingConfig, rank: int, world: int):
         """This worker's micro-batches from optimizer step start + 1 to the end of the run, in order."""
-        accum = training["grad_accum_steps"]
+        accum = training.grad_accum_steps
         plan = [plan_row(step, micro, [self.train[i] for i in order.micro_batch(step - 1, micro, accum, rank, world)])
-                for step in range(start + 1, training["max_steps"] + 1) for micro in range(accum)]
+                for step in range(start + 1, training.max_steps + 1) for micro in range(accum)]
         if not plan:
             return iter(())
         return stream_micro_batches(plan, str(self.store_dir), self.aux_layer_ids, self.last_layer_id,
-                                    training["prefetch_micro_batches"])
+                                    training.prefetch_micro_batches)
 
 
 class MetricsSink:
@@ -308,18 +159,17 @@ class ValTau:
     """val.tau at every checkpoint when training.val_tau_samples > 0 (pipeline/training/val_tau.py): rank 0 decodes,
     every rank receives the figures (so each reports the same metrics), rank 0 keeps them for proxy_agreement."""
 
-    def __init__(self, config: dict, held_out: list[dict]):
-        settings = config.get("val_tau")
-        self.enabled = bool(settings)
+    def __init__(self, settings: ValTauSettings | None, held_out: list[dict]):
+        self.enabled = settings is not None
         self.probe: Any = None  # AcceptanceProbe, on rank 0
         self.points: list[dict[str, float]] = []
         if settings and dist.is_rank_zero():
             from pipeline.training.val_tau import AcceptanceProbe, prompt_of
 
-            prompts = [prompt_of(sample) for sample in held_out[: settings["samples"]]]
-            self.probe = AcceptanceProbe(settings["verifier_path"], settings["compute_dtype"], prompts,
-                                         settings["num_speculative_tokens"], settings["max_new_tokens"],
-                                         settings["batch_size"], settings.get("confidence_threshold"))
+            prompts = [prompt_of(sample) for sample in held_out[: settings.samples]]
+            self.probe = AcceptanceProbe(settings.verifier_path, settings.compute_dtype, prompts,
+                                         settings.num_speculative_tokens, settings.max_new_tokens,
+                                         settings.batch_size, settings.confidence_threshold)
 
     def measure(self, checkpoint: Path) -> dict[str, float]:
         if not self.enabled:
@@ -344,7 +194,7 @@ class ValTau:
         return proxy_agreement(self.points) if self.points else {}
 
 
-def _checkpoint_folder(config: dict):
+def _checkpoint_folder(config: WorkerConfig):
     """This run's latest checkpoint (Ray Train hands it to restarted workers after a failure), else the one the
     driver chose (`resume_from`: the config's own latest on a rerun, or training.resume_from), else none."""
     import ray.train
@@ -352,57 +202,60 @@ def _checkpoint_folder(config: dict):
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         return checkpoint.as_directory()
-    return contextlib.nullcontext(Path(config["resume_from"]) if config.get("resume_from") else None)
+    return contextlib.nullcontext(Path(config.resume_from) if config.resume_from else None)
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    training, ds = config["training"], config["deepspeed"]
-    torch.set_num_threads(training["torch_threads_per_worker"])
-    torch.manual_seed(training["seed"])  # identical initial weights on every rank (DeepSpeed broadcasts rank 0's)
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Ray Train's per-worker function; loop_config is WorkerConfig.as_loop_config()."""
+    config: WorkerConfig = loop_config["worker"]
+    training, ds = config.training, config.deepspeed
+    torch.set_num_threads(training.torch_threads_per_worker)
+    torch.manual_seed(training.seed)  # identical initial weights on every rank (DeepSpeed broadcasts rank 0's)
     os.environ.setdefault("DS_ACCELERATOR", dist.device().type)
-    spec = DrafterSpec.from_dict(config["spec"])
-    data = StoreData(Path(config["store_dir"]), spec, config["last_layer_id"], training)
-    accum, world = training["grad_accum_steps"], dist.world_size()
+    spec = DrafterSpec.from_dict(config.spec)
+    data = StoreData(Path(config.store_dir), spec, config.last_layer_id, training)
+    accum, world = training.grad_accum_steps, dist.world_size()
     model = build_drafter(spec).train()
     with _checkpoint_folder(config) as folder, tempfile.TemporaryDirectory() as scratch:
         # The driver already refused a resume_from of another drafter or data order (check_same_data_order).
         point = read_resume_point(Path(folder) if folder else None, spec)
-        global_batch = point.global_batch if point else training["micro_batch_size"] * accum * world
+        global_batch = point.global_batch if point else training.micro_batch_size * accum * world
         micro = micro_batch_for(global_batch, accum, world)
-        zero_stage = int(ds["zero_stage"]) if ds["enabled"] else -1
+        zero_stage = ds.zero_stage if ds.enabled else -1
         engine = Engine(model, training, ds, micro,
                         load_universal=bool(point and needs_universal(point, world, zero_stage)))
         if point:
             engine.load_state(point, Path(scratch))
-    order = GlobalOrder(data.lengths(), global_batch, training["seed"], training["max_tokens_per_micro_batch"])
-    sink = MetricsSink(config.get("tracking_uri"), config.get("run_id"))
+    order = GlobalOrder(data.lengths(), global_batch, training.seed, training.max_tokens_per_micro_batch)
+    sink = MetricsSink(config.tracking_uri, config.run_id)
     start = point.step if point else 0
     if point:
         sink.log({"train.resumed_from_step": point.step, "train.resumed_from_world_size": point.world_size},
                  point.step)
     _train_steps(config, engine, data.stream(order, start, training, dist.rank(), world), order, start, micro, sink,
                  validation_share(data.held_out, dist.rank(), world) if data.held_out else [],
-                 ValTau(config, data.held_out))
+                 ValTau(config.val_tau, data.held_out))
 
 
-def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: int, micro: int,
+def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder, start: int, micro: int,
                  sink: MetricsSink, held_out_share: list[tuple[dict, bool]], val_tau: ValTau) -> None:
-    training = config["training"]
-    accum, world, rank = training["grad_accum_steps"], dist.world_size(), dist.rank()
+    training = config.training
+    accum, world, rank = training.grad_accum_steps, dist.world_size(), dist.rank()
     generator = torch.Generator()
     device_type = dist.device().type
-    autocast = resolve_autocast(training.get("autocast_dtype"), device_type)
+    autocast = resolve_autocast(training.autocast_dtype, device_type)
     sink.tag("train.autocast", str(autocast).replace("torch.", "") if autocast else "float32")
-    progress = _progress(training["max_steps"], start)
+    progress = _progress(training.max_steps, start)
     window = _Window()
-    for step in range(start + 1, training["max_steps"] + 1):
-        generator.manual_seed(step_seed(training["seed"], step, rank))
-        last = step == training["max_steps"]
-        with_checkpoint = step % training["checkpoint_every"] == 0 or last
-        logs = step % training["log_every"] == 0 or with_checkpoint
+    drafter_options = config.drafter_options()
+    for step in range(start + 1, training.max_steps + 1):
+        generator.manual_seed(step_seed(training.seed, step, rank))
+        last = step == training.max_steps
+        with_checkpoint = step % training.checkpoint_every == 0 or last
+        logs = step % training.log_every == 0 or with_checkpoint
         # Greedy-match counts need the verifier's full-vocabulary argmax: a pruned drafter computes them only on
         # the steps that log them (train.acc_pos*, train.proxy_tau are then those steps' micro-batches).
-        options = {**config["drafter"], "count_matches": logs}
+        options = {**drafter_options, "count_matches": logs}
         for micro_index in range(accum):
             fed = next(feed)
             if (fed["step"], fed["micro"]) != (step, micro_index):  # the stream must be the planned order
@@ -422,12 +275,12 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
         metrics.update({"train.epoch": epoch, "train.world_size": world, "train.zero_stage": engine.zero_stage(),
                         "train.micro_batch_size": micro})
         if with_checkpoint and held_out_share:  # every checkpoint carries the score that ranks it
-            metrics.update(validate(engine.module, held_out_share, config["drafter"],
+            metrics.update(validate(engine.module, held_out_share, drafter_options,
                                     torch.autocast(device_type, dtype=autocast) if autocast else None))
         state = {"step": step, "epoch": epoch, "micro_batches_seen": step * order.global_batch,
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
                  "deepspeed": engine.uses_deepspeed, "token_budget": order.token_budget,
-                 "val_samples": training["val_samples"]}
+                 "val_samples": training.val_samples}
         if with_checkpoint:
             metrics = _report_checkpoint(metrics, engine, state, sink, val_tau)
             val_tau.remember(step, metrics)
@@ -436,7 +289,7 @@ def _train_steps(config: dict, engine: Engine, feed, order: GlobalOrder, start: 
         progress.set_postfix(loss=f"{metrics['train.loss']:.3f}", tau=f"{metrics['train.proxy_tau']:.2f}")
         window = _Window()
     progress.close()
-    sink.log(val_tau.agreement(), training["max_steps"])
+    sink.log(val_tau.agreement(), training.max_steps)
 
 
 def _progress(total: int, start: int):

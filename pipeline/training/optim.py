@@ -15,9 +15,12 @@ The schedule is a multiplier of each group's peak learning rate, by optimizer st
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:  # pipeline.config imports this module: the schema is for annotations only
+    from pipeline.config.schema import TrainingConfig
 
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear")
@@ -45,32 +48,32 @@ def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
     return param.requires_grad and param.ndim == 2 and min(param.shape) > 1 and not vocabulary
 
 
-def torch_optimizers(model: torch.nn.Module, training: dict) -> list[torch.optim.Optimizer]:
+def torch_optimizers(model: torch.nn.Module, training: TrainingConfig) -> list[torch.optim.Optimizer]:
     """The run's optimizers without DeepSpeed: [AdamW], or [Muon over the matrices, AdamW over the rest]."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if training["optimizer"] == "adamw":
-        return [torch.optim.AdamW([p for _, p in named], lr=training["lr"], weight_decay=training["weight_decay"])]
+    if training.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], lr=training.lr, weight_decay=training.weight_decay)]
     matrices = [p for name, p in named if is_muon_matrix(name, p)]
     rest = [p for name, p in named if not is_muon_matrix(name, p)]
     optimizers: list[torch.optim.Optimizer] = []
     if matrices:
-        optimizers.append(torch.optim.Muon(matrices, lr=training["muon_lr"], momentum=training["muon_momentum"],
-                                           weight_decay=training["muon_weight_decay"], adjust_lr_fn="original"))
+        optimizers.append(torch.optim.Muon(matrices, lr=training.muon_lr, momentum=training.muon_momentum,
+                                           weight_decay=training.muon_weight_decay, adjust_lr_fn="original"))
     if rest:
-        optimizers.append(torch.optim.AdamW(rest, lr=training["lr"], weight_decay=training["weight_decay"]))
+        optimizers.append(torch.optim.AdamW(rest, lr=training.lr, weight_decay=training.weight_decay))
     return optimizers
 
 
-def deepspeed_optimizer(training: dict) -> dict | None:
+def deepspeed_optimizer(training: TrainingConfig) -> dict | None:
     """The DeepSpeed config's `optimizer` block for Muon (None: the client's AdamW is handed to DeepSpeed)."""
-    if training["optimizer"] != "muon":
+    if training.optimizer != "muon":
         return None
     # muon_lr / lr are the two halves' learning rates; each half's weight decay comes with its parameter group.
-    return {"type": "Muon", "params": {"lr": training["lr"], "muon_lr": training["muon_lr"],
-                                       "momentum": training["muon_momentum"], "ns_method": "gram"}}
+    return {"type": "Muon", "params": {"lr": training.lr, "muon_lr": training.muon_lr,
+                                       "momentum": training.muon_momentum, "ns_method": "gram"}}
 
 
-def deepspeed_grad_clip(training: dict) -> float:
+def deepspeed_grad_clip(training: TrainingConfig) -> float:
     """DeepSpeed's `gradient_clipping` for the run (0 = none).
 
     With Muon it is 0: DeepSpeed 0.19's ZeRO-1/2 orthogonalises the Muon half while it reduces the gradients, then
@@ -80,10 +83,10 @@ def deepspeed_grad_clip(training: dict) -> float:
     accuracy 0.01, against 4.1 and 0.30 without the clip). Muon's update size is fixed by muon_lr whatever the
     gradient's norm, and Adam's by lr up to its moment estimates, so the clip is dropped rather than applied to the
     wrong tensor."""
-    return 0.0 if training["optimizer"] == "muon" else float(training["grad_clip"])
+    return 0.0 if training.optimizer == "muon" else float(training.grad_clip)
 
 
-def deepspeed_param_groups(model: torch.nn.Module, training: dict) -> list[dict]:
+def deepspeed_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[dict]:
     """Parameter groups for DeepSpeed's Muon: matrices (as DeepSpeed tags them) with muon_weight_decay, the rest
     with weight_decay. DeepSpeed splits each group into its Muon and Adam halves by its own tag, so a group is
     chosen by the same rule (two or more dimensions, not an embedding or head)."""
@@ -94,6 +97,6 @@ def deepspeed_param_groups(model: torch.nn.Module, training: dict) -> list[dict]
             continue
         deepspeed_matrix = param.ndim >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
         (matrices if deepspeed_matrix else rest).append(param)
-    groups = [{"params": matrices, "weight_decay": training["muon_weight_decay"]},
-              {"params": rest, "weight_decay": training["weight_decay"]}]
+    groups = [{"params": matrices, "weight_decay": training.muon_weight_decay},
+              {"params": rest, "weight_decay": training.weight_decay}]
     return [group for group in groups if group["params"]]

@@ -15,12 +15,15 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pipeline.checkpoint import SPEC_FILE, STATE_FILE
 from pipeline.drafters.common import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import is_intact, verify
+
+if TYPE_CHECKING:  # pipeline.config imports this module: the schema is for annotations only
+    from pipeline.config.schema import TrainingConfig
 
 DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -91,12 +94,13 @@ def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[Res
                        val_samples=state.get("val_samples"))
 
 
-def check_same_data_order(point: ResumePoint, training: dict) -> None:
+def check_same_data_order(point: ResumePoint, training: TrainingConfig) -> None:
     """The packing and the held-out samples are part of the data order a resume continues."""
     for key, saved in (("max_tokens_per_micro_batch", point.token_budget), ("val_samples", point.val_samples)):
-        if saved is not None and int(training[key]) != int(saved):
+        ours = getattr(training, key)
+        if saved is not None and int(ours) != int(saved):
             raise PipelineError(f"training.{key}: checkpoint '{point.folder}' was trained with {saved}, this run "
-                                f"has {training[key]}; a resume must keep the data order")
+                                f"has {ours}; a resume must keep the data order")
 
 
 def _is_complete(folder: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE
+from pipeline.config.schema import DeepSpeedConfig, DrafterConfig, TrainingConfig
 from pipeline.context import Context
 from pipeline.data.chat import tokenizer_fingerprint
 from pipeline.data.store import iter_trained_tokens, verify_store
@@ -22,6 +24,7 @@ from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
 from pipeline.training.loop import train_loop_per_worker
 from pipeline.training.resume import check_same_data_order, latest_complete_checkpoint, read_resume_point
+from pipeline.training.worker_config import ValTauSettings, WorkerConfig
 from pipeline.verifier import verifier_stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -98,22 +101,18 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         raise PipelineError(f"training.num_workers: {cfg.training.num_workers} workers but the store has only "
                             f"{trainable} samples to train on ({manifest['num_samples']} less "
                             f"training.val_samples={cfg.training.val_samples} held out)")
-    loop_config = {
-        "spec": spec.to_dict(),
-        "store_dir": str(store),
-        "last_layer_id": manifest["num_verifier_layers"],
-        "drafter": OmegaConf.to_container(cfg.drafter, resolve=True),
-        "training": OmegaConf.to_container(cfg.training, resolve=True),
-        "deepspeed": OmegaConf.to_container(cfg.deepspeed, resolve=True),
-        "tracking_uri": ctx.tracker.uri if ctx.tracker else None,
-        "run_id": run_id,
-        "val_tau": _val_tau_settings(ctx),
-    }
+    training, deepspeed, drafter = (OmegaConf.to_object(group) for group in (cfg.training, cfg.deepspeed, cfg.drafter))
+    assert isinstance(training, TrainingConfig) and isinstance(deepspeed, DeepSpeedConfig)  # the schema's groups
+    assert isinstance(drafter, DrafterConfig)  # its own schema (validate's _validate_drafter)
+    worker = WorkerConfig(
+        spec=spec.to_dict(), store_dir=str(store), last_layer_id=manifest["num_verifier_layers"],
+        drafter=drafter, training=training, deepspeed=deepspeed,
+        tracking_uri=ctx.tracker.uri if ctx.tracker else None, run_id=run_id, val_tau=_val_tau_settings(ctx))
     resume_from = _resume_from(ctx)
     if resume_from:  # refuse another drafter's checkpoint, or another data order, before starting workers
         point = read_resume_point(resume_from, spec)
         assert point is not None  # a folder always has one
-        check_same_data_order(point, loop_config["training"])
+        check_same_data_order(point, training)
         if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
             log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
                         "among the run's checkpoints is not made again)", resume_from, point.step,
@@ -121,8 +120,8 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
             copy_folder_atomic(resume_from, final)
             return final
         log.info("train: resuming from %s", resume_from)
-        loop_config["resume_from"] = str(resume_from)
-    result = _fit(ctx, loop_config)
+        worker = dataclasses.replace(worker, resume_from=str(resume_from))
+    result = _fit(ctx, worker)
     if result.error:
         raise PipelineError(f"train: the Ray Train run failed: {remote_cause(result.error)}")
     if result.checkpoint is None:
@@ -142,15 +141,15 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     return final
 
 
-def _val_tau_settings(ctx: Context) -> dict | None:
+def _val_tau_settings(ctx: Context) -> ValTauSettings | None:
     """What rank 0 needs to measure val.tau at each checkpoint (training.val_tau_samples > 0), else None."""
     training, evaluation = ctx.cfg.training, ctx.cfg.evaluation
     if training.val_tau_samples <= 0:
         return None
-    return {"samples": int(training.val_tau_samples), "max_new_tokens": int(training.val_tau_max_new_tokens),
-            "verifier_path": ctx.verifier_path, "compute_dtype": ctx.cfg.verifier.compute_dtype,
-            "num_speculative_tokens": int(evaluation.num_speculative_tokens),
-            "batch_size": int(evaluation.batch_size), "confidence_threshold": evaluation.confidence_threshold}
+    return ValTauSettings(samples=training.val_tau_samples, max_new_tokens=training.val_tau_max_new_tokens,
+                          verifier_path=str(ctx.verifier_path), compute_dtype=ctx.cfg.verifier.compute_dtype,
+                          num_speculative_tokens=evaluation.num_speculative_tokens,
+                          batch_size=evaluation.batch_size, confidence_threshold=evaluation.confidence_threshold)
 
 
 def _final_checkpoint(result, select_by: str | None):
@@ -189,7 +188,7 @@ def _checkpoint_config(training):
     return CheckpointConfig(num_to_keep=training.keep_checkpoints)
 
 
-def _fit(ctx: Context, loop_config: dict):
+def _fit(ctx: Context, worker: WorkerConfig):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -201,7 +200,7 @@ def _fit(ctx: Context, loop_config: dict):
     storage = Path(cfg.cluster.storage_path).expanduser().resolve()
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config=worker.as_loop_config(),
         scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

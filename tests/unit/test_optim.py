@@ -3,19 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.checkpoint import save_checkpoint
-from pipeline.training.loop import Engine
+from pipeline.training.engine import Engine
 from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
 from pipeline.training.resume import ResumePoint
-from tests.unit.test_training_loop import TRAINING
+from tests.unit.test_training_loop import NO_DEEPSPEED, TRAINING
 from tests.unit.tiny_drafters import OPTIONS, tiny_drafter, tiny_samples
 
-MUON = {**TRAINING, "optimizer": "muon", "muon_weight_decay": 0.1, "weight_decay": 0.01}
+MUON = dataclasses.replace(TRAINING, optimizer="muon", muon_weight_decay=0.1, weight_decay=0.01)
 
 
 def test_linear_schedule_falls_to_its_floor_at_the_last_step():
@@ -48,7 +49,7 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(algorithm):
     if algorithm == "dspark":
         assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= on_adamw  # vocabulary matrices
     assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["weight_decay"] == 0.1
-    assert adamw.param_groups[0]["lr"] == MUON["lr"] and adamw.param_groups[0]["weight_decay"] == 0.01
+    assert adamw.param_groups[0]["lr"] == MUON.lr and adamw.param_groups[0]["weight_decay"] == 0.01
     assert torch_optimizers(model, TRAINING)[0].param_groups[0]["params"] == [
         p for p in model.parameters() if p.requires_grad]
 
@@ -56,7 +57,7 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(algorithm):
 def test_deepspeed_muon_gets_its_config_block_and_one_group_per_weight_decay():
     assert deepspeed_optimizer(TRAINING) is None  # AdamW stays a client optimizer
     block = deepspeed_optimizer(MUON)
-    assert block["type"] == "Muon" and block["params"]["muon_lr"] == 0.02 and block["params"]["lr"] == MUON["lr"]
+    assert block["type"] == "Muon" and block["params"]["muon_lr"] == 0.02 and block["params"]["lr"] == MUON.lr
     model = tiny_drafter("peagle")
     matrices, rest = deepspeed_param_groups(model, MUON)
     assert matrices["weight_decay"] == 0.1 and rest["weight_decay"] == 0.01
@@ -73,7 +74,7 @@ def _step(engine: Engine, samples) -> float:
 
 def test_plain_engine_with_muon_trains_both_halves_and_resumes_the_same_curve(tmp_path: Path):
     samples = tiny_samples(2)
-    engine = Engine(tiny_drafter("peagle"), MUON, {"enabled": False}, micro_batch=2)
+    engine = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
     before = {name: p.detach().clone() for name, p in engine.module.named_parameters() if p.requires_grad}
     losses = [_step(engine, samples) for _ in range(3)]
     assert losses[-1] < losses[0]
@@ -85,7 +86,7 @@ def test_plain_engine_with_muon_trains_both_halves_and_resumes_the_same_curve(tm
     engine.save_state(folder)
     uninterrupted = [_step(engine, samples) for _ in range(2)]
 
-    resumed = Engine(tiny_drafter("peagle"), MUON, {"enabled": False}, micro_batch=2)
+    resumed = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
     point = ResumePoint(folder, step=3, global_batch=2, world_size=1, zero_stage=-1, uses_deepspeed=False,
                         token_budget=0, val_samples=0)
     resumed.load_state(point, tmp_path / "scratch")
@@ -94,10 +95,10 @@ def test_plain_engine_with_muon_trains_both_halves_and_resumes_the_same_curve(tm
 
 
 def test_a_resume_with_another_optimizer_is_refused(tmp_path: Path):
-    engine = Engine(tiny_drafter("peagle"), TRAINING, {"enabled": False}, micro_batch=2)
+    engine = Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2)
     save_checkpoint(tmp_path, engine.module, {"step": 1})
     engine.save_state(tmp_path)
-    muon = Engine(tiny_drafter("peagle"), MUON, {"enabled": False}, micro_batch=2)
+    muon = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
     point = ResumePoint(tmp_path, step=1, global_batch=2, world_size=1, zero_stage=-1, uses_deepspeed=False,
                         token_budget=0, val_samples=0)
     with pytest.raises(RuntimeError, match="holds 1 optimizer states, this run's training.optimizer has 2"):
@@ -107,11 +108,13 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path: Path):
 DEEPSPEED_MUON_STEP = """
 import json, os, sys
 import torch
-from pipeline.training.loop import Engine
+import dataclasses
+from pipeline.config.schema import DeepSpeedConfig
+from pipeline.training.engine import Engine
 from tests.unit.test_optim import MUON, _step
 from tests.unit.tiny_drafters import tiny_drafter, tiny_samples
-engine = Engine(tiny_drafter("peagle"), {**MUON, "warmup_steps": 1}, {"enabled": True, "zero_stage": 2, "bf16": False},
-                micro_batch=2)
+engine = Engine(tiny_drafter("peagle"), dataclasses.replace(MUON, warmup_steps=1),
+                DeepSpeedConfig(enabled=True, zero_stage=2, bf16=False), micro_batch=2)
 before = engine.module.fc.weight.detach().clone()
 _step(engine, tiny_samples(2))
 print(json.dumps({"moved": float((engine.module.fc.weight - before).norm()),
@@ -136,6 +139,6 @@ def test_deepspeed_muon_steps_by_muon_lr_whatever_the_other_matrices_norms(tmp_p
     assert finished.returncode == 0, finished.stderr[-2000:]
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     rows, cols = result["shape"]
-    expected = MUON["muon_lr"] * min(rows, cols) ** 0.5 * max(1.0, rows / cols) ** 0.5
+    expected = MUON.muon_lr * min(rows, cols) ** 0.5 * max(1.0, rows / cols) ** 0.5
     assert 0.5 * expected < result["moved"] < 1.5 * expected, (result, expected)
     assert result["clip"] == 0.0

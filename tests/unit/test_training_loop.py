@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from pipeline.config.schema import DeepSpeedConfig, TrainingConfig
 from pipeline.errors import PipelineError
-from pipeline.training.loop import Engine, deepspeed_config, native_bf16, resolve_autocast
+from pipeline.training.engine import Engine, deepspeed_config, native_bf16, resolve_autocast
 from pipeline.training.optim import lr_factor
 from pipeline.training.order import GlobalOrder, pack_to_token_budget
 from pipeline.training.resume import ResumePoint, check_same_data_order, micro_batch_for, read_resume_point
 from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
 
-TRAINING = {"micro_batch_size": 2, "grad_accum_steps": 1, "grad_clip": 1.0, "lr": 3e-3, "weight_decay": 0.0,
-            "warmup_steps": 2, "max_steps": 10, "optimizer": "adamw", "muon_lr": 0.02, "muon_momentum": 0.95,
-            "muon_weight_decay": 0.0, "lr_schedule": "cosine", "min_lr_ratio": 0.1}
+TRAINING = TrainingConfig(micro_batch_size=2, grad_accum_steps=1, grad_clip=1.0, lr=3e-3, weight_decay=0.0,
+                          warmup_steps=2, max_steps=10, optimizer="adamw", muon_lr=0.02, muon_momentum=0.95,
+                          muon_weight_decay=0.0, lr_schedule="cosine", min_lr_ratio=0.1)
+NO_DEEPSPEED = DeepSpeedConfig(enabled=False)
 
 
 def test_the_global_order_is_seeded_reshuffled_each_epoch_and_free_of_the_world_size():
@@ -57,11 +60,11 @@ def test_a_resume_splits_the_saved_global_batch_or_refuses():
 def test_a_resume_keeps_the_packing_and_the_held_out_samples(tmp_path):
     point = ResumePoint(tmp_path, step=3, global_batch=2, world_size=2, zero_stage=2, uses_deepspeed=True,
                         token_budget=0, val_samples=4)
-    check_same_data_order(point, {"max_tokens_per_micro_batch": 0, "val_samples": 4})
+    check_same_data_order(point, TrainingConfig(max_tokens_per_micro_batch=0, val_samples=4))
     with pytest.raises(PipelineError, match="training.max_tokens_per_micro_batch: checkpoint .* trained with 0"):
-        check_same_data_order(point, {"max_tokens_per_micro_batch": 4096, "val_samples": 4})
+        check_same_data_order(point, TrainingConfig(max_tokens_per_micro_batch=4096, val_samples=4))
     with pytest.raises(PipelineError, match="training.val_samples: checkpoint .* trained with 4, this run has 2"):
-        check_same_data_order(point, {"max_tokens_per_micro_batch": 0, "val_samples": 2})
+        check_same_data_order(point, TrainingConfig(max_tokens_per_micro_batch=0, val_samples=2))
 
 
 def test_a_checkpoint_of_another_drafter_or_verifier_is_refused(tmp_path):
@@ -92,8 +95,8 @@ def test_warmup_then_cosine_to_a_tenth():
 
 
 def test_deepspeed_config_from_the_groups():
-    config = deepspeed_config({"zero_stage": 3, "bf16": True, "offload_optimizer": True,
-                               "extra": {"wall_clock_breakdown": True}}, TRAINING, micro_batch=2)
+    config = deepspeed_config(DeepSpeedConfig(zero_stage=3, bf16=True, offload_optimizer=True,
+                                              extra={"wall_clock_breakdown": True}), TRAINING, micro_batch=2)
     assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
     assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["wall_clock_breakdown"] is True
@@ -101,7 +104,7 @@ def test_deepspeed_config_from_the_groups():
 
 def test_plain_engine_steps_and_follows_the_schedule():
     model = tiny_drafter()
-    engine = Engine(model, TRAINING, {"enabled": False}, micro_batch=2)
+    engine = Engine(model, TRAINING, NO_DEEPSPEED, micro_batch=2)
     generator = torch.Generator().manual_seed(0)
     sample = {"aux": torch.randn(16, 3 * HIDDEN, generator=generator), "last": torch.randn(16, HIDDEN),
               "input_ids": torch.randint(0, VOCAB - 1, (16,), generator=generator),
@@ -122,11 +125,11 @@ def test_plain_engine_accumulates_micro_batches_into_one_step():
     options = {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0}
     samples = tiny_samples(2)
     accumulated, single = tiny_drafter(), tiny_drafter()
-    engine = Engine(accumulated, {**TRAINING, "grad_accum_steps": 2}, {"enabled": False}, micro_batch=1)
+    engine = Engine(accumulated, dataclasses.replace(TRAINING, grad_accum_steps=2), NO_DEEPSPEED, micro_batch=1)
     for index, sample in enumerate(samples):
         loss, _, _ = engine.module.training_loss([sample], options)
         engine.backward_and_step(loss, boundary=index == 1)  # the engine scales by 1 / grad_accum_steps
-    reference = Engine(single, TRAINING, {"enabled": False}, micro_batch=2)
+    reference = Engine(single, TRAINING, NO_DEEPSPEED, micro_batch=2)
     losses = [reference.module.training_loss([sample], options)[0] for sample in samples]
     reference.backward_and_step((losses[0] + losses[1]) / 2)
     for (name, mine), theirs in zip(accumulated.named_parameters(), single.parameters()):
