@@ -36,23 +36,23 @@ def _prompts(ctx: Context, results: dict, run_id: str) -> Any:
 
 def _regenerate(ctx: Context, results: dict, run_id: str) -> Any:
     from pipeline.data import stage as prompts
-    from pipeline.generation import stage
+    from pipeline.generation.regenerate_stage import run_regenerate
 
     train, _ = results.get("prompts") or prompts.run(ctx)
-    return stage.run_regenerate(ctx, train)
+    return run_regenerate(ctx, train)
 
 
 def _capture(ctx: Context, results: dict, run_id: str) -> Any:
     import datasets
 
-    from pipeline.generation import stage
+    from pipeline.generation.capture_stage import run_capture
 
     regenerated = results.get("regenerate")
     if regenerated is None:
         if not ctx.paths.regenerated.is_dir():
             raise PipelineError(f"capture: no regenerated set at {ctx.paths.regenerated}; run jobs/generate.py first")
         regenerated = datasets.load_from_disk(str(ctx.paths.regenerated))
-    return stage.run_capture(ctx, regenerated)
+    return run_capture(ctx, regenerated)
 
 
 def _train(ctx: Context, results: dict, run_id: str) -> Any:

@@ -46,7 +46,7 @@ def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
     128 tokens, and each transformers step costs a full SmolLM2 forward here)."""
     from pipeline.config import compose
     from pipeline.evaluation.reference_decoder import verifier_greedy
-    from pipeline.generation.stage import REGENERATION_INFO
+    from pipeline.generation.common import REGENERATION_INFO
     from pipeline.verifier import load_verifier
 
     regenerated = StagePaths(compose([f"paths.root={default_run}"])).regenerated

@@ -273,12 +273,12 @@ def test_an_actor_failure_reaches_the_user_as_its_cause_not_ray_datas_retry_advi
 
     import ray
 
-    from pipeline.generation.stage import _stream_batches
+    from pipeline.generation.common import stream_batches
 
     gen = SimpleNamespace(num_actors=1, cpus_per_actor=0.5, tensor_parallel_size=1, use_gpu=False)
     try:
         with pytest.raises(PipelineError) as failed:
-            list(_stream_batches([{"batch": 0}], FailingVerifierActor, {}, gen))
+            list(stream_batches([{"batch": 0}], FailingVerifierActor, {}, gen))
     finally:
         ray.shutdown()
     assert str(failed.value) == ("FailingVerifierActor: a verifier actor failed: ValueError: The decoder prompt "
@@ -312,11 +312,11 @@ def test_a_failed_ray_task_reaches_the_driver_as_one_line_naming_the_step(ray_lo
 
 
 def test_capture_gives_vllm_one_token_of_context_beyond_the_longest_sample():
-    from pipeline.generation.stage import _vllm_options
+    from pipeline.generation.common import vllm_options
 
     gen = compose(["generation.max_length=200"]).generation
-    assert _vllm_options(gen)["max_model_len"] == 200  # regeneration: prompt + answer within max_length
-    assert _vllm_options(gen, capture=True)["max_model_len"] == 201  # a 200-token sample prefills, then 1 token
+    assert vllm_options(gen)["max_model_len"] == 200  # regeneration: prompt + answer within max_length
+    assert vllm_options(gen, capture=True)["max_model_len"] == 201  # a 200-token sample prefills, then 1 token
 
 
 CHECKPOINT_DAMAGE = {
