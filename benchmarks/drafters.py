@@ -66,7 +66,7 @@ def _loss_point(algorithm: str, length: int, depth: int, naive: bool) -> dict:
     import torch
 
     from pipeline.drafters.build import build_drafter
-    from pipeline.drafters.common import DrafterSpec
+    from pipeline.drafters.spec import DrafterSpec
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

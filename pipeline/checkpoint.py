@@ -8,7 +8,8 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from pipeline.drafters.common import DrafterBase, DrafterSpec
+from pipeline.drafters.base import DrafterBase
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import verify
 

@@ -4,7 +4,7 @@ Every class meets pipeline.drafters.protocol.Drafter (its options, ``training_lo
 layers). A new drafter is a folder pipeline/drafters/<name>/ and one entry in DRAFTERS below.
 """
 
-from pipeline.drafters.common import DrafterBase
+from pipeline.drafters.base import DrafterBase
 from pipeline.drafters.dflash import DFlashDrafter
 from pipeline.drafters.dflash2 import DFlash2Drafter
 from pipeline.drafters.dspark import DSparkDrafter

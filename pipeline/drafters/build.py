@@ -8,7 +8,8 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from pipeline.drafters.common import DrafterBase, DrafterSpec
+from pipeline.drafters.base import DrafterBase
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.families import (
     family_of,

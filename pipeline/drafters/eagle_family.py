@@ -13,16 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.drafters.base import DrafterBase, soft_cap
 from pipeline.drafters.chains import attention_allowed, attention_allowed_to, sample_training_rows
-from pipeline.drafters.common import (
-    DrafterBase,
-    DrafterSpec,
-    EagleDecoderLayer,
-    additive_mask,
-    build_norm,
-    build_rotary,
-    soft_cap,
-)
+from pipeline.drafters.layers import EagleDecoderLayer, additive_mask, build_norm, build_rotary
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 

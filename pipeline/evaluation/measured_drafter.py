@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from pipeline.drafters.common import DrafterBase
+from pipeline.drafters.base import DrafterBase
 
 
 def decoding_drafter(checkpoint: Path, confidence_threshold: Optional[float] = None,

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.drafters.common import DrafterBase, DrafterSpec
+from pipeline.drafters.base import DrafterBase
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.drafters.vocab import ids_from_d2t
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_folder

@@ -18,7 +18,7 @@ from pipeline.checkpoint import SPEC_FILE, STATE_FILE, WEIGHTS_FILE, save_checkp
 from pipeline.config.schema import TrainingConfig
 from pipeline.data.store import load_manifest, read_samples, sample_locations
 from pipeline.drafters.build import build_drafter
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import seal
 from pipeline.metrics import expected_tau

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from pipeline.checkpoint import SPEC_FILE, STATE_FILE
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import is_intact, verify
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import compose
 from pipeline.drafters.build import build_drafter
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
 from tests.conftest import tiny_overrides, write_jsonl

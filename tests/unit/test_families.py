@@ -151,7 +151,7 @@ def test_a_gemma4_verifiers_drafter_gets_a_llama_layer_vllm_builds(tiny_family_p
 def test_a_soft_capped_verifiers_targets_are_capped_as_its_logits_are():
     from transformers import Gemma3TextConfig
 
-    from pipeline.drafters.common import soft_cap
+    from pipeline.drafters.base import soft_cap
 
     assert logit_softcap(Gemma3TextConfig(final_logit_softcapping=30.0)) == 30.0
     assert logit_softcap(Gemma3TextConfig(final_logit_softcapping=None)) is None

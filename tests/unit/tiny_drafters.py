@@ -6,7 +6,7 @@ import torch
 
 from pipeline.drafters import DRAFTERS
 from pipeline.drafters.build import build_drafter
-from pipeline.drafters.common import DrafterSpec
+from pipeline.drafters.spec import DrafterSpec
 
 HIDDEN, VOCAB = 32, 50
 ALGORITHMS = sorted(DRAFTERS)

@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.drafters.common import DrafterBase, DrafterSpec, additive_mask
+from pipeline.drafters.base import DrafterBase
 from pipeline.drafters.dflash.blocks import acceptance_weights, block_attention_allowed, position_decay, sample_anchors
 from pipeline.drafters.dflash.config import DFlashConfig
+from pipeline.drafters.layers import additive_mask
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
 
 QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.dflash.model import DFlashDecoderLayer, DFlashDrafter, block_loss
 from pipeline.drafters.dflash2.config import DFlash2Config
+from pipeline.drafters.spec import DrafterSpec
 
 CONV_KEYS = ("conv_kernel_size", "conv_group_size")
 SELECTOR_KEYS = ("selector_rank", "selector_top_k")

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.dflash.model import DFlashDrafter, block_loss
 from pipeline.drafters.dspark.config import DSparkConfig
+from pipeline.drafters.spec import DrafterSpec
 
 
 class MarkovHead(nn.Module):

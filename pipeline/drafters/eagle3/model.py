@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.eagle3.config import Eagle3Config
 from pipeline.drafters.eagle_family import EagleFamilyDrafter
+from pipeline.drafters.spec import DrafterSpec
 
 
 def parent_rows(anchors: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

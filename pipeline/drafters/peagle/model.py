@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from pipeline.drafters.chains import inference_rows
-from pipeline.drafters.common import DrafterSpec
 from pipeline.drafters.eagle_family import EagleFamilyDrafter
 from pipeline.drafters.peagle.config import PEagleConfig
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 
 

@@ -1,4 +1,5 @@
-"""Layers shared by the EAGLE-family drafters. Math only: no Ray, DeepSpeed or MLflow here.
+"""DrafterBase: what every drafter shares (the verifier's embedding and heads, the draft vocabulary's d2t/t2d, the
+speculators-format class attributes). Math only: no Ray, DeepSpeed or MLflow here.
 
 Parameter names follow the speculators checkpoint layout (``fc``, ``layers.N.self_attn.q_proj``, ``norm``,
 ``lm_head``, ...), so a state dict exports without renaming.
@@ -6,71 +7,16 @@ Parameter names follow the speculators checkpoint layout (``fc``, ``layers.N.sel
 
 from __future__ import annotations
 
-import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from pipeline.config.schema import DrafterConfig
+from pipeline.drafters.spec import DrafterSpec
 from pipeline.drafters.vocab import d2t_offsets, t2d_mask
 from pipeline.losses.blockwise import DraftHead
-
-
-@dataclass
-class DrafterSpec:
-    """Everything needed to build a drafter: the verifier's shapes plus the drafter's own choices."""
-
-    algorithm: str
-    verifier_name: str
-    verifier_path: str
-    # The drafter layer's HF config: the verifier's sizes in the layer layout of its family (model_type llama / qwen3,
-    # pipeline/families.py).
-    transformer_layer_config: dict[str, Any]
-    aux_layer_ids: list[int]
-    num_speculative_tokens: int
-    mask_token_id: int
-    num_layers: int = 1
-    norm_before_residual: bool = True
-    # Kept target ids (ascending) of a pruned draft vocabulary; null: the verifier's full vocabulary.
-    draft_token_ids: Optional[list[int]] = None
-    # Algorithm-specific architecture choices (DFlash block size, DSpark head ranks, ...).
-    extra: dict[str, Any] = field(default_factory=dict)
-    # The verifier's HF architecture (config.architectures[0]); empty in specs saved before it was recorded.
-    verifier_architecture: str = ""
-    # The verifier's final-logit soft cap c (Gemma: logits -> c * tanh(logits / c)); None: no cap.
-    verifier_logit_softcap: Optional[float] = None
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.transformer_layer_config["hidden_size"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.transformer_layer_config["vocab_size"])
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return len(self.draft_token_ids) if self.draft_token_ids else self.vocab_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "DrafterSpec":
-        return cls(**{k: v for k, v in values.items() if k != "draft_vocab_size"})
-
-    def layer_config(self):
-        """The verifier's HF config narrowed to the drafter's layers, with an explicit attention mask path."""
-        from transformers import AutoConfig
-
-        values = copy.deepcopy(self.transformer_layer_config)
-        model_type = values.pop("model_type")
-        config = AutoConfig.for_model(model_type, **values)
-        config.num_hidden_layers = self.num_layers
-        config._attn_implementation = "sdpa"
-        return config
 
 
 def soft_cap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
@@ -199,74 +145,3 @@ class DrafterBase(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         frozen = self.frozen_names()
         return {k: v.detach().cpu() for k, v in self.state_dict().items() if k not in frozen}
-
-
-def _model_parts(model_type: str):
-    if model_type == "llama":
-        from transformers.models.llama import modeling_llama as llama
-
-        return llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding
-    if model_type == "qwen3":
-        from transformers.models.qwen3 import modeling_qwen3 as qwen3
-
-        return qwen3.Qwen3Attention, qwen3.Qwen3MLP, qwen3.Qwen3RMSNorm, qwen3.Qwen3RotaryEmbedding
-    raise ValueError(f"drafter: verifier model_type '{model_type}' is not supported (llama, qwen3)")
-
-
-class EagleDecoderLayer(nn.Module):
-    """A verifier-style decoder layer; the first one reads [embedding ; fused hidden] (2H wide) like EAGLE-3."""
-
-    def __init__(self, config, layer_idx: int, norm_before_residual: bool):
-        super().__init__()
-        attention_cls, mlp_cls, norm_cls, _ = _model_parts(config.model_type)
-        hidden = config.hidden_size
-        self.is_first = layer_idx == 0
-        self.norm_before_residual = norm_before_residual
-        self.self_attn = attention_cls(config, layer_idx)
-        self.mlp = mlp_cls(config)
-        self.input_layernorm = norm_cls(hidden, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = norm_cls(hidden, eps=config.rms_norm_eps)
-        if self.is_first:
-            self.hidden_norm = norm_cls(hidden, eps=config.rms_norm_eps)
-            head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-            bias = getattr(config, "attention_bias", False)
-            self.self_attn.q_proj = nn.Linear(2 * hidden, config.num_attention_heads * head_dim, bias=bias)
-            self.self_attn.k_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
-            self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
-
-    def forward(self, x: torch.Tensor, position_embeddings, attention_mask: torch.Tensor, cache=None) -> torch.Tensor:
-        """x [B, Q, 2H] (first layer) or [B, Q, H]; attention_mask [B, 1, Q, K] additive; cache: a transformers
-        Cache holding the keys and values of earlier rows (K - Q of them), extended with these rows', or None."""
-        if self.is_first:
-            embeds, hidden = x.chunk(2, dim=-1)  # [B, R, H] each
-            residual = hidden
-            hidden = self.hidden_norm(hidden)
-            if self.norm_before_residual:
-                residual = hidden
-            attn_in = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, R, 2H]
-        else:
-            residual = x
-            attn_in = self.input_layernorm(x)
-        attn_out, _ = self.self_attn(
-            hidden_states=attn_in, position_embeddings=position_embeddings, attention_mask=attention_mask,
-            past_key_values=cache,
-        )
-        x = residual + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, Q, K] bool (True = may attend) -> [B, 1, Q, K] additive float mask for SDPA/eager attention."""
-    zeros = torch.zeros((), dtype=dtype, device=allowed.device)
-    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zeros, blocked).unsqueeze(1)
-
-
-def build_rotary(config):
-    _, _, _, rotary_cls = _model_parts(config.model_type)
-    return rotary_cls(config)
-
-
-def build_norm(config, size: int):
-    _, _, norm_cls, _ = _model_parts(config.model_type)
-    return norm_cls(size, eps=config.rms_norm_eps)
