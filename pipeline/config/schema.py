@@ -18,7 +18,7 @@ from pipeline.data.synthesize import DEFAULT_SYSTEM_PROMPTS
 # label): the train and evaluation content keys leave it out (pipeline/paths.py: result_settings), so changing it
 # resumes or reuses the same run instead of training again. Every other setting counts as changing results.
 NOT_A_RESULT = {"changes_results": False}
-# The chain's stages in order: the one list (pipeline/runner.py maps each to its function).
+# The chain's stages in order: the one list (pipeline/stages.py maps each to its function).
 STAGE_NAMES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 
 

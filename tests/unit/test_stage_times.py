@@ -9,7 +9,7 @@ import time
 import mlflow
 import pytest
 
-from pipeline import runner
+from pipeline import runner, stages
 from pipeline.config import compose
 from pipeline.errors import PipelineError
 from pipeline.timings import StageTimes
@@ -72,8 +72,8 @@ def store(tmp_path_factory):
 
 
 def test_each_stage_time_is_a_metric_of_the_parent_run(store, monkeypatch, caplog):
-    monkeypatch.setitem(runner.STAGES, "prompts", sleeper(0.05))
-    monkeypatch.setitem(runner.STAGES, "train", sleeper(0.15))
+    monkeypatch.setitem(stages.STAGES, "prompts", sleeper(0.05))
+    monkeypatch.setitem(stages.STAGES, "train", sleeper(0.15))
     cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-completed"])
     with caplog.at_level(logging.INFO, logger="pipeline.runner"):
         runner.run_stages(cfg, "pipeline", ["prompts", "train"])
@@ -88,9 +88,9 @@ def test_each_stage_time_is_a_metric_of_the_parent_run(store, monkeypatch, caplo
 
 
 def test_a_failed_stage_still_gets_its_time_and_the_table(store, monkeypatch, caplog):
-    monkeypatch.setitem(runner.STAGES, "evaluate", sleeper(0.01))
-    monkeypatch.setitem(runner.STAGES, "export", failing)
-    monkeypatch.setitem(runner.STAGES, "promote", sleeper(0.01))
+    monkeypatch.setitem(stages.STAGES, "evaluate", sleeper(0.01))
+    monkeypatch.setitem(stages.STAGES, "export", failing)
+    monkeypatch.setitem(stages.STAGES, "promote", sleeper(0.01))
     cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-failed"])
     with caplog.at_level(logging.INFO, logger="pipeline.runner"), pytest.raises(PipelineError):
         runner.run_stages(cfg, "evaluate", ["evaluate", "export", "promote"])
