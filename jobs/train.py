@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.config import register_configs
-from pipeline.runner import run_job
+from pipeline.runner import run_hydra_main, run_job
 
 register_configs()
 
@@ -19,4 +19,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_main(main)

@@ -95,6 +95,28 @@ def run_guarded(action: Callable[[], Any]) -> int:
     return 0
 
 
+def run_hydra_main(main: Callable[[], Any]) -> None:
+    """Call a jobs/*.py `@hydra.main` function. A config Hydra cannot compose (an unknown key, a wrong type, a
+    group option that does not exist, an override it cannot parse) is one line naming the key and exit code 2, like
+    every other bad input; Hydra alone prints several lines and exits 1. HYDRA_FULL_ERROR=1 set by the user keeps
+    Hydra's full report."""
+    import os
+
+    from hydra.errors import CompactHydraException
+
+    from pipeline.config.registration import config_error_line
+
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises what it cannot compose instead of printing it
+    try:
+        main()
+    except CompactHydraException as error:
+        print(f"error: {config_error_line(error)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_job(cfg: DictConfig, job: str) -> int:
     """Run a job's stages (the config's `stages` for `pipeline`) with run_guarded. Returns the exit code."""
     setup_job_logging()

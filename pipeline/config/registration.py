@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -34,3 +35,32 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+SCHEMA_SUFFIX = "_schema"  # a drafter's schema node (register_configs): composed by its conf file, not chosen
+
+
+def config_error_line(error: BaseException) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing: the config key it is about, then what is
+    wrong (OmegaConf's own message), e.g. "training.max_steps: Value 'abc' of type 'str' could not be converted to
+    Integer"; a group option that does not exist lists the ones that do."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+    key = getattr(cause, "full_key", None)
+    message = str(getattr(cause, "msg", None) or cause)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    first = lines[0] if lines else type(error).__name__
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", first)
+    if isinstance(error, MissingConfigException) and missing and "Available options" in message:
+        listed = lines[lines.index(next(x for x in lines if x.startswith("Available options"))) + 1:]
+        options = [option for option in listed if re.fullmatch(r"[\w.-]+", option)  # not the search path's lines
+                   and not option.endswith(SCHEMA_SUFFIX)]
+        group, option = missing.groups()
+        return f"{group}: '{option}' is not one of {options}"
+    if isinstance(cause, OmegaConfBaseException) and key:
+        return f"{key}: {first}"
+    if isinstance(error, OverrideParseException):  # the override's syntax: name the override, not the grammar docs
+        return f"override '{error.override}': {first}"
+    return " ".join(lines)

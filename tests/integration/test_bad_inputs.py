@@ -29,6 +29,24 @@ def test_unknown_config_key_fails_the_job_naming_the_key(tmp_path):
     assert "no_such_option" in result.stderr
 
 
+@pytest.mark.parametrize("overrides,line", [
+    (["training.max_steps=many"], "error: training.max_steps: Value 'many' of type 'str' could not be converted"),
+    (["training.no_such_option=3"], "error: training.no_such_option: Key 'no_such_option' not in 'TrainingConfig'"),
+    (["drafter=eagle3", "drafter.markov_rank=8"], "error: drafter.markov_rank: Key 'markov_rank' not in"),
+    (["drafter=medusa"], "error: drafter: 'medusa' is not one of ['dflash', 'dflash2', 'dspark', 'eagle3', 'peagle']"),
+    (["experiment=qwen3_8b_eagle"], "error: experiment: 'qwen3_8b_eagle' is not one of"),  # was silently ignored
+    (["scale=huge"], "error: scale: 'huge' is not one of ['toy']"),
+    (["training.max_steps=[1"], "error: override 'training.max_steps=[1': "),
+])
+def test_a_config_hydra_cannot_compose_is_one_line_naming_the_key_and_exit_2(tmp_path, overrides, line):
+    """Composition errors are bad input too: one line, exit 2 (Hydra alone prints five lines and exits 1)."""
+    result = run_script("train", *overrides, f"paths.root={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(line), result.stderr
+    assert not (tmp_path / "train").exists()
+
+
 def test_missing_prompt_file_exits_2_naming_it(tmp_path, tiny_verifier_path, capsys):
     cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, tmp_path / "missing.jsonl"))
     assert run_job(cfg, "generate") == 2
