@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException, ConfigCompositionException
 from omegaconf import DictConfig
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.errors import PipelineError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -25,8 +27,13 @@ def register_configs() -> None:
         store.store(group="drafter", name=f"{name}_schema", node=drafter.config_class)
 
 
+class ConfigError(PipelineError, ConfigCompositionException):
+    """A config Hydra cannot compose, as the one line config_error_line makes: bad input (a PipelineError) that is
+    also the composition error Hydra raises, whose original is its __cause__."""
+
+
 def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> DictConfig:
-    """Compose the Hydra config like a job would, for tests and tools."""
+    """Compose the Hydra config like a job would, for tests and tools. Raises ConfigError naming the key."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -34,7 +41,10 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        try:
+            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        except CompactHydraException as error:
+            raise ConfigError(config_error_line(error)) from error
 
 
 SCHEMA_SUFFIX = "_schema"  # a drafter's schema node (register_configs): composed by its conf file, not chosen

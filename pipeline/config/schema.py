@@ -1,13 +1,15 @@
 """Structured-config schemas for every Hydra group.
 
-Each group's YAML files are merged into these dataclasses, so a wrong type or an unknown key fails at composition
-time with OmegaConf's message naming the key (``Key 'foo' not in 'VerifierConfig'``). Semantic checks that types
-cannot express live in :func:`pipeline.config.validate`.
+Each group's YAML files are merged into these dataclasses, so a wrong type, an unknown key or a value outside a
+setting's choices (an Enum below) fails at composition time with OmegaConf's message naming the key
+(``Key 'foo' not in 'VerifierConfig'``, ``Invalid value 'sgd', expected one of [adamw, muon]``). Semantic checks that
+types cannot express live in :func:`pipeline.config.validate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -20,6 +22,38 @@ from pipeline.data.synthesize import DEFAULT_SYSTEM_PROMPTS
 NOT_A_RESULT = {"changes_results": False}
 # The chain's stages in order: the one list (pipeline/stages.py maps each to its function).
 STAGE_NAMES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
+
+
+# Choices. A StrEnum member equals its string ("muon" == Optimizer.muon) and hashes into content keys as that string.
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class LrSchedule(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+
+
+class AutocastDtype(StrEnum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Responses(StrEnum):
+    regenerate = "regenerate"
+    keep = "keep"
+
+
+class Overlength(StrEnum):
+    truncate = "truncate"
+    drop = "drop"
+
+
+class Compression(StrEnum):
+    none = "none"
+    fp8 = "fp8"
 
 
 def run_setting(default: Any = MISSING) -> Any:
@@ -106,7 +140,7 @@ class GenerationConfig:
     # Backend for hidden-state capture (null = the same as `backend`); vllm uses its extract_hidden_states method.
     capture_backend: Optional[str] = None
     # regenerate: the verifier answers every user turn (self-distillation); keep: train on the source's answers.
-    responses: str = "regenerate"
+    responses: Responses = Responses.regenerate
     # 0 = greedy; > 0 samples with this temperature and top_p, seeded per batch by `seed`.
     temperature: float = 0.0
     top_p: float = 1.0
@@ -115,7 +149,7 @@ class GenerationConfig:
     # Prompt + response tokens of a sample.
     max_length: int = 512
     # A sample over max_length: truncate (keep the turns that fit, reported) or drop (skip it, reported).
-    overlength: str = "truncate"
+    overlength: Overlength = Overlength.truncate
     # Token budget of one verifier batch (rows x longest row) and its most rows; one store shard per batch.
     max_batch_tokens: int = 4096
     batch_size: int = 8
@@ -126,7 +160,7 @@ class GenerationConfig:
     # Refuse to start when the projected store (tokens x layers x hidden x bytes) is larger.
     max_store_gb: float = 100.0
     # none: hidden states in verifier.save_dtype; fp8: float8 e4m3 with one scale per row (about half of bf16).
-    compression: str = "none"
+    compression: Compression = Compression.none
     num_actors: int = 1
     cpus_per_actor: int = 1
     torch_threads: int = 2
@@ -187,7 +221,7 @@ class TrainingConfig:
     # 2024) on the weight matrices and AdamW (lr, weight_decay) on the rest, the split speculators' recipe uses; under
     # DeepSpeed its own Muon (MuonWithAuxAdam, ZeRO-aware), else torch.optim.Muon. muon_lr is scaled per matrix by
     # sqrt(max(1, rows / cols)) in both (Muon's original rule).
-    optimizer: str = "adamw"
+    optimizer: Optimizer = Optimizer.adamw
     lr: float = 1e-3
     weight_decay: float = 0.0
     muon_lr: float = 0.02
@@ -195,7 +229,7 @@ class TrainingConfig:
     muon_weight_decay: float = 0.0
     warmup_steps: int = 10
     # After the linear warmup the learning rate falls to min_lr_ratio x its peak at the last step: cosine or linear.
-    lr_schedule: str = "cosine"
+    lr_schedule: LrSchedule = LrSchedule.cosine
     min_lr_ratio: float = 0.1
     # Global gradient-norm clip. Not applied with optimizer=muon under DeepSpeed, which would clip Muon's
     # orthogonalised update instead of the gradient (pipeline/training/optim.py: deepspeed_grad_clip).
@@ -224,7 +258,7 @@ class TrainingConfig:
     select_best_by: str = "val.proxy_tau"
     # Autocast dtype for the forward: auto = bfloat16 where the hardware computes it natively (CUDA with bf16,
     # CPUs with AVX512-BF16/AMX), else fp32 -- emulated bf16 on an AVX2-only CPU is ~17x slower; null = fp32.
-    autocast_dtype: Optional[str] = "auto"
+    autocast_dtype: Optional[AutocastDtype] = AutocastDtype.auto
 
 
 @dataclass

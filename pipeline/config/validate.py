@@ -13,7 +13,6 @@ from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_co
 from pipeline.errors import PipelineError
 from pipeline.errors import require as _require
 from pipeline.families import TINY_FAMILIES
-from pipeline.training.optim import LR_SCHEDULES, OPTIMIZERS
 
 KNOWN_SOURCES = (*OFFLINE_SOURCES, "jsonl", "parquet", "hub")
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
@@ -56,9 +55,6 @@ def validate(cfg: DictConfig) -> None:
     _require(gen.backend in BACKENDS, f"generation.backend: '{gen.backend}' is not one of {BACKENDS}")
     _require(gen.capture_backend in (None, *BACKENDS),
              f"generation.capture_backend: '{gen.capture_backend}' is not one of {BACKENDS}")
-    _require(gen.responses in ("regenerate", "keep"), "generation.responses: must be 'regenerate' or 'keep'")
-    _require(gen.overlength in ("truncate", "drop"), "generation.overlength: must be 'truncate' or 'drop'")
-    _require(gen.compression in ("none", "fp8"), "generation.compression: must be 'none' or 'fp8'")
     _require(gen.temperature >= 0, "generation.temperature: must be >= 0")
     _require(0 < gen.top_p <= 1, "generation.top_p: must be in (0, 1]")
     _require(gen.max_batch_tokens > 0 and gen.batch_size > 0, "generation.max_batch_tokens / batch_size: must be > 0")
@@ -85,8 +81,6 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.training.max_tokens_per_micro_batch >= 0,
              "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
     _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
-    _require(cfg.training.autocast_dtype in (None, "auto", "bfloat16", "float16"),
-             "training.autocast_dtype: must be auto, bfloat16, float16 or null (fp32)")
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")
     _require(not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
              "deepspeed.offload_params: parameters are offloaded only by ZeRO stage 3")
@@ -164,10 +158,6 @@ def _validate_val_tau(training: DictConfig) -> None:
 
 
 def _validate_optimizer(training: DictConfig) -> None:
-    _require(training.optimizer in OPTIMIZERS,
-             f"training.optimizer: '{training.optimizer}' is not one of {OPTIMIZERS}")
-    _require(training.lr_schedule in LR_SCHEDULES,
-             f"training.lr_schedule: '{training.lr_schedule}' is not one of {LR_SCHEDULES}")
     _require(0.0 <= training.min_lr_ratio <= 1.0, "training.min_lr_ratio: must be in [0, 1]")
     for key in ("lr", "muon_lr"):
         _require(training[key] > 0, f"training.{key}: must be > 0")

@@ -15,15 +15,13 @@ The schedule is a multiplier of each group's peak learning rate, by optimizer st
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:  # pipeline.config imports this module: the schema is for annotations only
-    from pipeline.config.schema import TrainingConfig
+from pipeline.config.schema import LrSchedule, TrainingConfig
 
-OPTIMIZERS = ("adamw", "muon")
-LR_SCHEDULES = ("cosine", "linear")
+LR_SCHEDULES = tuple(schedule.value for schedule in LrSchedule)
 
 
 def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
