@@ -44,7 +44,7 @@ K = 4  # the CPU drafter configs' num_speculative_tokens
 PROMPT_TOKENS = 32  # leading tokens of the benchmark sequence that carry no loss
 STORE_FOLDERS = ("prompts", "regenerated", "stores")
 TOKENS_PER_S_COUNTS = (
-    "train.tokens_per_s (pipeline/training/loop.py _step_metrics): the loss-carrying tokens (loss_mask == 1, i.e. "
+    "train.tokens_per_s (pipeline/training/loop.py _Window.metrics): the loss-carrying tokens (loss_mask == 1, i.e. "
     "assistant tokens; prompt tokens are computed but not counted) of every rank's micro-batches, summed over all "
     "ranks by an all-reduce, divided by rank 0's wall-clock time of the logging window. With log_every = "
     "max_steps the one window is every step of the run, the first (warm-up) step included; Ray/DeepSpeed start-up "

@@ -63,14 +63,16 @@ def config_error_line(error: BaseException) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     first = lines[0] if lines else type(error).__name__
     missing = re.search(r"Could not find '([^']+)/([^'/]+)'", first)
-    if isinstance(error, MissingConfigException) and missing and "Available options" in message:
-        listed = lines[lines.index(next(x for x in lines if x.startswith("Available options"))) + 1:]
+    listed_from = next((i + 1 for i, line in enumerate(lines) if line.startswith("Available options")), None)
+    if isinstance(error, MissingConfigException) and missing and listed_from is not None:
+        listed = lines[listed_from:]
         options = [option for option in listed if re.fullmatch(r"[\w.-]+", option)  # not the search path's lines
                    and not option.endswith(SCHEMA_SUFFIX)]
         group, option = missing.groups()
         return f"{group}: '{option}' is not one of {options}"
     if isinstance(cause, OmegaConfBaseException) and key:
-        return f"{key}: {first}"
+        choice = re.fullmatch(r"Invalid value '(.*)', expected one of \[(.*)\]", first)  # a schema Enum's choices
+        return f"{key}: '{choice[1]}' is not one of [{choice[2]}]" if choice else f"{key}: {first}"
     if isinstance(error, OverrideParseException):  # the override's syntax: name the override, not the grammar docs
         return f"override '{error.override}': {first}"
     return " ".join(lines)

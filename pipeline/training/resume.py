@@ -15,15 +15,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from pipeline.checkpoint import SPEC_FILE, STATE_FILE
+from pipeline.config.schema import TrainingConfig
 from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
 from pipeline.integrity import is_intact, verify
-
-if TYPE_CHECKING:  # pipeline.config imports this module: the schema is for annotations only
-    from pipeline.config.schema import TrainingConfig
 
 DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
 OPTIMIZER_FILE = "optimizer.pt"

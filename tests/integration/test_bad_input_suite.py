@@ -95,7 +95,6 @@ OVERRIDES = [
     ("training.grad_accum_steps=0", "training.grad_accum_steps: must be >= 1"),
     ("training.warmup_steps=-1", "training.warmup_steps: must be >= 0"),
     ("training.grad_clip=-1", "training.grad_clip: must be >= 0"),
-    ("training.optimizer=sgd", "training.optimizer: 'sgd' is not one of"),
     ("evaluation.gate.alias=latest", "evaluation.gate.alias: 'latest' alias name (case insensitive) is reserved"),
     ("evaluation.gate.alias=LATEST", "evaluation.gate.alias: 'latest' alias name (case insensitive) is reserved"),
     ("evaluation.gate.alias=v3", "evaluation.gate.alias: Version alias name 'v3' is reserved"),
@@ -119,6 +118,24 @@ def test_a_bad_override_exits_2_before_the_first_stage(override, message, tmp_pa
     assert run_job(cfg, "pipeline") == 2
     assert _error_line(capsys).startswith(f"error: {message}")
     assert not (tmp_path / "prompts").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("training.optimizer=sgd", "training.optimizer: 'sgd' is not one of [adamw, muon]"),
+    ("training.lr_schedule=step", "training.lr_schedule: 'step' is not one of [cosine, linear]"),
+    ("training.autocast_dtype=fp8", "training.autocast_dtype: 'fp8' is not one of [auto, bfloat16, float16]"),
+    ("generation.compression=zstd", "generation.compression: 'zstd' is not one of [none, fp8]"),
+    ("generation.overlength=wrap", "generation.overlength: 'wrap' is not one of [truncate, drop]"),
+    ("generation.responses=copy", "generation.responses: 'copy' is not one of [regenerate, keep]"),
+])
+def test_a_value_outside_a_settings_choices_is_refused_when_the_config_is_composed(override, message, tmp_path):
+    """The schema types these choices (Enums): the config never composes, so no stage can start."""
+    from pipeline.config.registration import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        compose([f"paths.root={tmp_path}", override])
+    assert str(error.value) == message
+    assert isinstance(error.value, PipelineError)
 
 
 def test_loopback_hosts_need_no_key_and_a_key_opens_any_host(tmp_path):

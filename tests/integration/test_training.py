@@ -1,5 +1,6 @@
-"""P-EAGLE training with Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers, on the tiny verifier's features: the
-mechanism under test is the same as on SmolLM2 (the slow default-pipeline test trains there), at a fifth of the time."""
+"""Training with Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers, on the tiny verifier's features: P-EAGLE, and
+DFlash2 from the same store through evaluation and export. The mechanism under test is the same as on SmolLM2 (the
+slow default-pipeline test trains there), at a fifth of the time."""
 
 from __future__ import annotations
 
