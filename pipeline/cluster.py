@@ -12,6 +12,10 @@ log = logging.getLogger(__name__)
 
 _started_locally = False
 
+# Ray waits a fixed 30 s for a new local node to register (ray/_private/node.py); a loaded 2-core machine can miss it.
+LOCAL_START_ATTEMPTS = 3
+_NODE_START_TIMEOUT = "timed out during startup"
+
 
 def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> None:
     """Connect to the cluster in cluster.address or RAY_ADDRESS, else start a local Ray; either way the job's
@@ -33,9 +37,43 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     # core_worker ERROR about actor restarts (ray-project/ray#53727).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     extra: dict[str, Any] = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-    ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
-             runtime_env=ray_runtime_env(), **extra)
+    _start_local(lambda: ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
+                                  runtime_env=ray_runtime_env(), **extra))
     _started_locally = True
+
+
+def _start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:
+    """Call init() (a local ray.init), again up to `attempts` times in all when the new node misses Ray's fixed
+    startup wait, first stopping the processes the half-started node left (Ray does not: they would hold cores and
+    ports). Raises the last attempt's error, or any other error at once."""
+    import psutil
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+        try:
+            init()
+            return
+        except Exception as error:
+            if _NODE_START_TIMEOUT not in str(error) or attempt == attempts:
+                raise
+            log.warning("the local Ray node did not register in time (attempt %d of %d); stopping it and retrying",
+                        attempt, attempts)
+            ray.shutdown()
+            _stop_new_children(children_before)
+
+
+def _stop_new_children(children_before: set[int]) -> None:
+    """Kill this process's descendants that were not in children_before (what a failed ray.init started)."""
+    import psutil
+
+    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in children_before]
+    for child in started:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(started, timeout=10)
 
 
 def _connect(address: str) -> None:
