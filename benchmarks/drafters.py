@@ -86,8 +86,9 @@ def _loss_point(algorithm: str, length: int, depth: int, naive: bool) -> dict:
     sample = {"aux": torch.randn(length, len(aux_ids) * hidden), "last": torch.randn(length, hidden),
               "input_ids": torch.randint(0, vocab, (length,)), "loss_mask": torch.ones(length, dtype=torch.long)}
     sample["loss_mask"][: length // 8] = 0  # a prompt
-    options = {"depth_keep_decay": 1.0 if naive else 0.8, "max_anchors": None if naive else 64,
-               "loss_decay_gamma": 7.0}
+    options = cls.config_class(max_anchors=64)  # the schema's defaults (P-EAGLE: depth_keep_decay 0.8)
+    if naive:
+        options = options.deterministic()
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     timings = []
     for _ in range(2):  # the first step warms allocators up; report the second

@@ -118,7 +118,7 @@ def training_config(steps: int) -> TrainingConfig:
                           grad_accum_steps=1)
 
 
-def train(engine, samples: list[dict], options: dict, steps: int, autocast,
+def train(engine, samples: list[dict], options, steps: int, autocast,
           batch: int = 4) -> tuple[list[float], float]:
     """(losses, seconds per step after the first) over `steps` optimizer steps of `batch` samples."""
     losses, times = [], []
@@ -147,9 +147,11 @@ def moved(before: dict, model) -> float:
 
 
 def check_training(name: str, verifier_path: Path, samples: list[dict], steps: int) -> dict:
+    from omegaconf import OmegaConf
+
     from pipeline.training.engine import Engine, resolve_autocast
 
-    options = dict(drafter_config(name))
+    options = OmegaConf.to_object(drafter_config(name))
     autocast = resolve_autocast("auto", DEVICE)
     result = {"autocast": str(autocast)}
     for label, dtype in (("bf16", autocast), ("fp32", None)):
@@ -177,12 +179,14 @@ def init_single_process_group() -> None:
 
 
 def check_deepspeed(stage: int, verifier_path: Path, samples: list[dict], steps: int) -> dict:
+    from omegaconf import OmegaConf
+
     from pipeline.training import dist
     from pipeline.training.engine import Engine
     from pipeline.training.resume import DEEPSPEED_DIR, DEEPSPEED_TAG
 
     init_single_process_group()
-    options = dict(drafter_config("peagle"))
+    options = OmegaConf.to_object(drafter_config("peagle"))
     ds = DeepSpeedConfig(enabled=True, zero_stage=stage, bf16=True)
     model = build("peagle", verifier_path, "cpu").train()
     engine = Engine(model, training_config(steps), ds, micro_batch=4)

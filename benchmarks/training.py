@@ -119,9 +119,7 @@ def build_ours(algorithm: str, verifier_name: str, verifier_path: str, verifier_
     spec = make_spec(cfg, verifier_config, verifier_name, verifier_path, default_mask_token_id=0)
     torch.manual_seed(0)
     model = build_drafter(spec, verifier_head_tensors(verifier_path)).float().train()
-    options = OmegaConf.to_container(cfg, resolve=True)
-    options.update(max_anchors=None, depth_keep_decay=1.0)
-    return model, options
+    return model, OmegaConf.to_object(cfg).deterministic()
 
 
 def load_theirs(folder: Path):
@@ -134,7 +132,7 @@ def load_theirs(folder: Path):
     return SpeculatorModel.from_pretrained(str(folder), config=config).float().train()
 
 
-def their_call(algorithm: str, model, aux, input_ids, loss_mask, pre_norm_last, options: dict, depth: int):
+def their_call(algorithm: str, model, aux, input_ids, loss_mask, pre_norm_last, options, depth: int):
     """(tensors, kwargs) of one speculators training forward on the same sequence, laid out as speculators'
     trainer feeds it: EAGLE-3 and P-EAGLE shift the batch first (their shift_batch), DFlash and DSpark do not."""
     import torch
@@ -161,10 +159,10 @@ def their_call(algorithm: str, model, aux, input_ids, loss_mask, pre_norm_last, 
         # Their select_anchors draws max_anchors blocks among the loss positions outside the last block; asking
         # for all of them is their "every position" (padding blocks beyond that would only add work).
         anchors = int(loss_mask[: -model.block_size].bool().sum())
-        kwargs.update(max_anchors=anchors, gamma=float(options["loss_decay_gamma"]))
+        kwargs.update(max_anchors=anchors, gamma=options.loss_decay_gamma)
         if algorithm == "dspark":
             kwargs.update(tv_loss_fn=resolve_loss_config("tv", "eager")["tv"][0],
-                          confidence_head_alpha=float(options["confidence_loss_weight"]))
+                          confidence_head_alpha=options.confidence_loss_weight)
     return tensors, kwargs
 
 

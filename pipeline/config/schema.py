@@ -8,9 +8,9 @@ types cannot express live in :func:`pipeline.config.validate`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Optional
+from typing import Any, Optional, Self
 
 from omegaconf import MISSING
 
@@ -190,6 +190,11 @@ class DrafterConfig:
     norm_before_residual: bool = True
     # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
     draft_vocab_size: Optional[int] = None
+
+    def deterministic(self) -> Self:
+        """These options with nothing drawn at random in training_loss (every anchor at every depth): what the
+        validation loss reads. A drafter whose schema adds a random choice extends this."""
+        return replace(self, max_anchors=None)
 
     def validate(self) -> None:
         """Raises PipelineError naming the first option with a value the drafter cannot use; a drafter's schema

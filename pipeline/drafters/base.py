@@ -7,8 +7,7 @@ Parameter names follow the speculators checkpoint layout (``fc``, ``layers.N.sel
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -17,6 +16,8 @@ from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.spec import DrafterSpec
 from pipeline.drafters.vocab import d2t_offsets, t2d_mask
 from pipeline.losses.blockwise import DraftHead
+
+OptionsT = TypeVar("OptionsT", bound=DrafterConfig)
 
 
 def soft_cap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
@@ -78,10 +79,14 @@ class DrafterBase(nn.Module):
         """Raises PipelineError when this model cannot be written as a checkpoint vLLM loads."""
 
     @classmethod
-    def resolved_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """`options` (the drafter's config as a dict, plus loop flags such as count_matches) over its schema's
-        defaults: an option a caller leaves out means the schema's default, never a second default in the code."""
-        return {**asdict(cls.config_class()), **options}
+    def own_options(cls, options: DrafterConfig, schema: type[OptionsT]) -> OptionsT:
+        """`options` typed as `schema` (the class training_loss reads), once checked to be exactly this drafter's
+        config_class: another drafter's options (a DSparkConfig given to DFlash, a dict) raise TypeError naming
+        both, rather than training on a default or a neighbour's value."""
+        if type(options) is not cls.config_class or not isinstance(options, schema):
+            raise TypeError(f"{cls.algorithm}: training_loss needs {cls.config_class.__name__} options, "
+                            f"got {type(options).__name__}")
+        return options
 
     @staticmethod
     def adapt_layer_config(verifier_layer_config: dict[str, Any]) -> dict[str, Any]:

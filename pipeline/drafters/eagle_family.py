@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.base import DrafterBase, soft_cap
 from pipeline.drafters.chains import attention_allowed, attention_allowed_to, sample_training_rows
+from pipeline.drafters.eagle3.config import EagleFamilyConfig
 from pipeline.drafters.layers import EagleDecoderLayer, additive_mask, build_norm, build_rotary
 from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
@@ -22,8 +24,6 @@ from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_st
 
 
 class EagleFamilyDrafter(DrafterBase):
-    # P-EAGLE sparsifies chains along depth in training (drafter.depth_keep_decay); EAGLE-3's TTT keeps them whole.
-    sparsifies_depth = False
     extra_keys: tuple[str, ...] = ("norm_before_fc", "embed_requires_grad")
     aux_layers_key = "eagle_aux_hidden_state_layer_ids"
     runs_on_vllm_cpu = True
@@ -110,21 +110,22 @@ class EagleFamilyDrafter(DrafterBase):
             x = layer(x, position_embeddings, mask, cache)
         return x
 
-    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
-                      generator: torch.Generator | None = None):
-        return chain_loss(self, samples, options, generator)
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: DrafterConfig,
+                      generator: torch.Generator | None = None, count_matches: bool = True):
+        return chain_loss(self, samples, self.own_options(options, EagleFamilyConfig), generator, count_matches)
 
 
-def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
-               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Samples hold aux [T, A*H], last [T, H] (post-norm final hidden), input_ids [T], loss_mask [T].
+def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]], options: EagleFamilyConfig,
+               generator: torch.Generator | None = None, count_matches: bool = True,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples hold aux [T, A*H], last [T, H] (post-norm final hidden), input_ids [T], loss_mask [T]. Chain depth d
+    trains on a fraction options.depth_keep_decay_in_training()**d of at most options.max_anchors anchors.
 
     Returns (loss, correct [K], total [K]) where K = the drafter's num_speculative_tokens.
     """
-    options = model.resolved_options(options)
     num_speculative_tokens = model.spec.num_speculative_tokens
-    keep_decay = float(options["depth_keep_decay"]) if model.sparsifies_depth else 1.0
-    rows = [sample_training_rows(s["loss_mask"], num_speculative_tokens, keep_decay, generator, options["max_anchors"])
+    keep_decay = options.depth_keep_decay_in_training()
+    rows = [sample_training_rows(s["loss_mask"], num_speculative_tokens, keep_decay, generator, options.max_anchors)
             for s in samples]
     anchors = pad_stack([r[0] for r in rows], 0)  # [B, R]
     depths = pad_stack([r[1] for r in rows], 0)  # [B, R]
@@ -148,7 +149,7 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
     unique_pos, teacher_rows = torch.unique(flat_pos, return_inverse=True)  # [U], [N]
     teacher_hidden = last.reshape(-1, last.shape[-1])[unique_pos]  # [U, H]
     student_hidden = hidden[batch_index, row_index]  # [N, H]; the head's [N, Vd] logits are computed blockwise
-    if model.draft_ids is not None and not options.get("count_matches", True):
+    if model.draft_ids is not None and not count_matches:
         return draft_vocab_loss(model, student_hidden, teacher_hidden, teacher_rows)
     with torch.no_grad():
         teacher = model.teacher_logits(teacher_hidden)  # [U, V]
@@ -161,7 +162,7 @@ def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, te
 
     The target is the verifier's distribution renormalised over the draft vocabulary, whose logits are the frozen
     LM head's rows (the verifier's rows of the draft tokens): [U, Vd] instead of the verifier's [U, V]. Only the
-    counts need the full vocabulary's argmax, so steps that log no metrics skip it (option `count_matches`).
+    counts need the full vocabulary's argmax, so steps that log no metrics skip it (training_loss(count_matches=False)).
     student_hidden [N, H] the drafter's rows, teacher_hidden [U, H] post-norm verifier states, teacher_rows [N] ->
     index into U.
     """

@@ -11,6 +11,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from pipeline.config.schema import DrafterConfig
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -28,10 +30,13 @@ class Drafter(Protocol):
         """Its transformer_layer_config from the verifier's (the export's key of that name)."""
         ...
 
-    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
-                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: DrafterConfig,
+                      generator: torch.Generator | None = None, count_matches: bool = True,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """samples: dicts of aux [T, A*H], last [T, H] (the verifier's final normed hidden state), input_ids [T],
-        loss_mask [T]; options: its config as a dict (resolved over config_class's defaults). Returns (scalar
+        loss_mask [T]; options: an instance of exactly its config_class (TypeError otherwise); generator: the
+        random anchors and depths (options.deterministic() draws none); count_matches=False lets a drafter skip
+        the full-vocabulary greedy-match counts (returned as zeros) on steps that log nothing. Returns (scalar
         loss, correct [K], total [K]): teacher-forced matches of draft k with the verifier's greedy token."""
         ...
 

@@ -247,7 +247,6 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
     sink.tag("train.autocast", str(autocast).replace("torch.", "") if autocast else "float32")
     progress = _progress(training.max_steps, start)
     window = _Window()
-    drafter_options = config.drafter_options()
     for step in range(start + 1, training.max_steps + 1):
         generator.manual_seed(step_seed(training.seed, step, rank))
         last = step == training.max_steps
@@ -255,7 +254,6 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
         logs = step % training.log_every == 0 or with_checkpoint
         # Greedy-match counts need the verifier's full-vocabulary argmax: a pruned drafter computes them only on
         # the steps that log them (train.acc_pos*, train.proxy_tau are then those steps' micro-batches).
-        options = {**drafter_options, "count_matches": logs}
         for micro_index in range(accum):
             fed = next(feed)
             if (fed["step"], fed["micro"]) != (step, micro_index):  # the stream must be the planned order
@@ -263,7 +261,8 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
                                    f"expected step {step} micro {micro_index}")
             batch = fed["samples"]
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
-                loss, correct, total = engine.module.training_loss(batch, options, generator)
+                loss, correct, total = engine.module.training_loss(batch, config.drafter, generator,
+                                                                       count_matches=logs)
             engine.backward_and_step(loss, boundary=micro_index == accum - 1)
             window.add(loss, correct, total, batch)
         progress.update(1)
@@ -275,7 +274,7 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
         metrics.update({"train.epoch": epoch, "train.world_size": world, "train.zero_stage": engine.zero_stage(),
                         "train.micro_batch_size": micro})
         if with_checkpoint and held_out_share:  # every checkpoint carries the score that ranks it
-            metrics.update(validate(engine.module, held_out_share, drafter_options,
+            metrics.update(validate(engine.module, held_out_share, config.drafter,
                                     torch.autocast(device_type, dtype=autocast) if autocast else None))
         state = {"step": step, "epoch": epoch, "micro_batches_seen": step * order.global_batch,
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),

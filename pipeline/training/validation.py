@@ -10,6 +10,7 @@ from typing import cast
 
 import torch
 
+from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.protocol import Drafter
 from pipeline.metrics import expected_tau
 from pipeline.training import dist
@@ -33,19 +34,17 @@ def validation_share(held_out: list[dict], rank: int, world: int) -> list[tuple[
             for i in range(per_rank)]
 
 
-def deterministic_options(options: dict) -> dict:
-    """Every anchor at every depth: the validation loss draws nothing at random."""
-    return {**options, "max_anchors": None, "depth_keep_decay": 1.0}
-
-
-def validate(model: torch.nn.Module, share: list[tuple[dict, bool]], options: dict, autocast) -> dict[str, float]:
-    """val.loss (mean over held-out samples), val.acc_pos{k} and val.proxy_tau, reduced over every rank."""
+def validate(model: torch.nn.Module, share: list[tuple[dict, bool]], options: DrafterConfig,
+             autocast) -> dict[str, float]:
+    """val.loss (mean over held-out samples), val.acc_pos{k} and val.proxy_tau, reduced over every rank. The loss
+    draws nothing at random (options.deterministic(): every anchor at every depth)."""
     drafter = cast(Drafter, model)
+    options = options.deterministic()
     sums = None  # [loss, counted samples, correct per position..., total per position...]
     model.eval()
     with torch.no_grad(), autocast or contextlib.nullcontext():
         for sample, is_counted in share:
-            loss, correct, total = drafter.training_loss([sample], deterministic_options(options),
+            loss, correct, total = drafter.training_loss([sample], options,
                                                        torch.Generator().manual_seed(0))
             row = torch.cat([torch.stack([loss.double().cpu(), torch.tensor(1.0, dtype=torch.float64)]),
                              correct.double().cpu(), total.double().cpu()]) * float(is_counted)

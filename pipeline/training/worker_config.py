@@ -3,7 +3,6 @@ typo or a schema change turns into a KeyError (or a silent default) minutes into
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,10 +38,6 @@ class WorkerConfig:
     run_id: Optional[str] = None
     val_tau: Optional[ValTauSettings] = None
     resume_from: Optional[str] = None  # the checkpoint the driver chose (its own latest, or training.resume_from)
-
-    def drafter_options(self) -> dict[str, Any]:
-        """The drafter's options as the dict its training_loss reads (pipeline/drafters/protocol.py)."""
-        return dataclasses.asdict(self.drafter)
 
     def as_loop_config(self) -> dict[str, Any]:
         """Ray Train's train_loop_config (a dict) holding this config."""

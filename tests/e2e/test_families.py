@@ -173,7 +173,7 @@ def _drafter_fit_to(path: str, verifier, tokenizer, algorithm: str, prompts: lis
                                                 DRAFT_VOCAB_SIZE, stops)
     torch.manual_seed(0)
     drafter = build_drafter(spec).float()
-    options = dict(OmegaConf.to_container(drafter_cfg))
+    options = OmegaConf.to_object(drafter_cfg)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     for step in range(FIT_STEPS):
         loss, _, _ = drafter.training_loss(samples, options, torch.Generator().manual_seed(step))

@@ -8,11 +8,12 @@ import itertools
 import pytest
 import torch
 
+from pipeline.drafters import DRAFTERS
 from pipeline.drafters.dflash.blocks import block_attention_allowed, position_decay, sample_anchors
 from pipeline.drafters.dspark.model import keep_count
 from pipeline.drafters.vocab import d2t_offsets, ids_from_d2t, most_frequent_tokens, t2d_mask
 from pipeline.errors import PipelineError
-from tests.unit.tiny_drafters import ALGORITHMS, HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
+from tests.unit.tiny_drafters import ALGORITHMS, HIDDEN, VOCAB, tiny_drafter, tiny_options, tiny_samples
 
 BLOCK_FAMILY = ["dflash", "dspark"]
 
@@ -39,7 +40,8 @@ def test_loss_falls_and_only_trainable_weights_move(algorithm):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for step in range(40):
-        loss, correct, total = model.training_loss(samples, OPTIONS, torch.Generator().manual_seed(step))
+        loss, correct, total = model.training_loss(samples, tiny_options(algorithm),
+                                                   torch.Generator().manual_seed(step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -72,7 +74,7 @@ def test_a_trained_embedding_moves_and_travels_in_checkpoint_and_export(algorith
     verifier_embedding = model.embed_tokens.weight.detach().clone()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     for step in range(3):
-        loss, _, _ = model.training_loss(tiny_samples(), OPTIONS, torch.Generator().manual_seed(step))
+        loss, _, _ = model.training_loss(tiny_samples(), tiny_options(algorithm), torch.Generator().manual_seed(step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -262,7 +264,8 @@ def test_pruned_drafter_drafts_only_kept_tokens_and_counts_misses(algorithm):
     assert torch.equal(model.lm_head.weight, model.verifier_head[kept])
     aux, ids = _context(9, 9)
     assert all(t in kept for t in model.draft(aux, ids, 4).tolist())
-    loss, correct, total = model.training_loss(tiny_samples(), OPTIONS, torch.Generator().manual_seed(0))
+    options = tiny_options(algorithm)
+    loss, correct, total = model.training_loss(tiny_samples(), options, torch.Generator().manual_seed(0))
     assert torch.isfinite(loss) and total.sum() > 0
 
 
@@ -291,8 +294,8 @@ def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_match
     results = []
     for count_matches in (True, False):
         model = tiny_drafter(algorithm, draft_token_ids=kept)
-        loss, correct, total = model.training_loss(tiny_samples(), {**OPTIONS, "count_matches": count_matches},
-                                                   torch.Generator().manual_seed(3))
+        loss, correct, total = model.training_loss(tiny_samples(), tiny_options(algorithm),
+                                                   torch.Generator().manual_seed(3), count_matches=count_matches)
         loss.backward()
         results.append((loss.detach(), model.fc.weight.grad.clone(), correct, total))
     (loss, grad, correct, total), (fast_loss, fast_grad, fast_correct, fast_total) = results
@@ -324,8 +327,8 @@ def test_dflash_trains_on_the_greedy_token_with_dpace_weights():
     not the default loss."""
     model = tiny_drafter("dflash")
     samples = tiny_samples()
-    options = {**OPTIONS, "distill_target": "argmax", "position_weighting": "dpace", "dpace_alpha": 0.5}
-    default = model.training_loss(samples, OPTIONS, torch.Generator().manual_seed(0))[0]
+    options = tiny_options("dflash", distill_target="argmax", position_weighting="dpace", dpace_alpha=0.5)
+    default = model.training_loss(samples, tiny_options("dflash"), torch.Generator().manual_seed(0))[0]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for step in range(40):
@@ -342,7 +345,6 @@ def test_every_registered_drafter_meets_the_drafter_protocol():
     """The contract pipeline/drafters/protocol.py states, checked on each registered class and a built instance."""
     from dataclasses import fields
 
-    from pipeline.drafters import DRAFTERS
     from pipeline.drafters.protocol import Drafter
 
     for name, cls in DRAFTERS.items():
@@ -352,14 +354,28 @@ def test_every_registered_drafter_meets_the_drafter_protocol():
         assert isinstance(tiny_drafter(name), Drafter)
 
 
-def test_an_option_a_caller_leaves_out_is_the_drafters_schema_default():
-    """training_loss reads its options over the drafter's own schema (config_class): one default per option, the
-    schema's (the loss code kept a second one, 1.0 for depth_keep_decay against the schema's 0.8)."""
-    from pipeline.drafters import DRAFTERS
+def test_training_loss_refuses_options_that_are_not_its_own_schema():
+    """training_loss reads its own config_class, typed: a dict, or a neighbour's schema (DSpark's extends DFlash's,
+    P-EAGLE's extends EAGLE-3's family schema) is refused naming both, never read for a default it lacks."""
+    samples = tiny_samples(1)
+    for algorithm, wrong in [("dflash", tiny_options("dspark")), ("eagle3", tiny_options("peagle")),
+                             ("peagle", {"max_anchors": 8})]:
+        own = DRAFTERS[algorithm].config_class.__name__
+        with pytest.raises(TypeError, match=f"{algorithm}: training_loss needs {own} options, got "):
+            tiny_drafter(algorithm).training_loss(samples, wrong)
 
-    peagle = DRAFTERS["peagle"].resolved_options({"max_anchors": 3})
-    assert peagle["depth_keep_decay"] == DRAFTERS["peagle"].config_class.depth_keep_decay == 0.8
-    assert peagle["max_anchors"] == 3
-    dflash = DRAFTERS["dflash"].resolved_options({})
-    assert (dflash["loss_decay_gamma"], dflash["distill_target"]) == (7.0, "distribution")
-    assert "depth_keep_decay" not in DRAFTERS["eagle3"].resolved_options({})  # not an EAGLE-3 option
+
+def test_deterministic_options_train_every_anchor_at_every_depth():
+    """options.deterministic() (what the validation loss reads) draws nothing: no anchor cap and, for P-EAGLE,
+    every depth kept; the other options are the run's own."""
+    peagle = tiny_options("peagle", depth_keep_decay=0.5, mask_token_id=3)
+    full = peagle.deterministic()
+    assert (full.max_anchors, full.depth_keep_decay, full.mask_token_id) == (None, 1.0, 3)
+    assert (peagle.max_anchors, peagle.depth_keep_decay) == (8, 0.5)  # the run's options are left as they were
+    assert peagle.depth_keep_decay_in_training() == 0.5 and tiny_options("eagle3").depth_keep_decay_in_training() == 1
+    dspark = tiny_options("dspark", markov_rank=16).deterministic()
+    assert type(dspark) is DRAFTERS["dspark"].config_class and (dspark.max_anchors, dspark.markov_rank) == (None, 16)
+    model = tiny_drafter("peagle")
+    losses = {model.training_loss(tiny_samples(), full, torch.Generator().manual_seed(seed))[0].item()
+              for seed in range(3)}
+    assert len(losses) == 1

@@ -14,7 +14,7 @@ from pipeline.training.engine import Engine
 from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
 from pipeline.training.resume import ResumePoint
 from tests.unit.test_training_loop import NO_DEEPSPEED, TRAINING
-from tests.unit.tiny_drafters import OPTIONS, tiny_drafter, tiny_samples
+from tests.unit.tiny_drafters import tiny_drafter, tiny_options, tiny_samples
 
 MUON = dataclasses.replace(TRAINING, optimizer="muon", muon_weight_decay=0.1, weight_decay=0.01)
 
@@ -67,7 +67,7 @@ def test_deepspeed_muon_gets_its_config_block_and_one_group_per_weight_decay():
 
 
 def _step(engine: Engine, samples) -> float:
-    loss, _, _ = engine.module.training_loss(samples, {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0})
+    loss, _, _ = engine.module.training_loss(samples, tiny_options().deterministic())
     engine.backward_and_step(loss)
     return float(loss)
 

@@ -137,7 +137,7 @@ def test_trained_drafters_stay_lossless(tiny_verifier_path, algorithm):
     drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, 4, algorithm=algorithm).train()
     drafter.confidence_threshold = 0.3
     samples = own_samples(verifier, tokenizer, drafter.spec.aux_layer_ids, PROMPTS)
-    options = {"depth_keep_decay": 1.0, "max_anchors": None, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0}
+    options = type(drafter).config_class().deterministic()
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     losses = []

@@ -14,7 +14,7 @@ from pipeline.training.engine import Engine, deepspeed_config, native_bf16, reso
 from pipeline.training.optim import lr_factor
 from pipeline.training.order import GlobalOrder, pack_to_token_budget
 from pipeline.training.resume import ResumePoint, check_same_data_order, micro_batch_for, read_resume_point
-from tests.unit.tiny_drafters import HIDDEN, OPTIONS, VOCAB, tiny_drafter, tiny_samples
+from tests.unit.tiny_drafters import HIDDEN, VOCAB, tiny_drafter, tiny_options, tiny_samples
 
 TRAINING = TrainingConfig(micro_batch_size=2, grad_accum_steps=1, grad_clip=1.0, lr=3e-3, weight_decay=0.0,
                           warmup_steps=2, max_steps=10, optimizer="adamw", muon_lr=0.02, muon_momentum=0.95,
@@ -112,7 +112,7 @@ def test_plain_engine_steps_and_follows_the_schedule():
     before = model.fc.weight.detach().clone()
     lrs = []
     for _ in range(3):
-        loss, _, _ = engine.module.training_loss([sample], OPTIONS)
+        loss, _, _ = engine.module.training_loss([sample], tiny_options())
         engine.backward_and_step(loss)
         lrs.append(engine.lr())
     assert not torch.equal(before, model.fc.weight)
@@ -122,7 +122,7 @@ def test_plain_engine_steps_and_follows_the_schedule():
 
 def test_plain_engine_accumulates_micro_batches_into_one_step():
     """Two micro-batches, stepping at the boundary only == one step on both samples' mean loss."""
-    options = {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0}
+    options = tiny_options().deterministic()
     samples = tiny_samples(2)
     accumulated, single = tiny_drafter(), tiny_drafter()
     engine = Engine(accumulated, dataclasses.replace(TRAINING, grad_accum_steps=2), NO_DEEPSPEED, micro_batch=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.training.validation import split_validation, validate, validation_share
-from tests.unit.tiny_drafters import OPTIONS, tiny_drafter, tiny_samples
+from tests.unit.tiny_drafters import tiny_drafter, tiny_options, tiny_samples
 
 
 def with_ids(count: int) -> list[dict]:
@@ -38,12 +38,12 @@ def test_every_held_out_sample_is_counted_once_and_every_rank_runs_as_many_forwa
 def test_validation_measures_the_training_loss_with_every_anchor_and_leaves_the_model_in_training():
     model = tiny_drafter("peagle")
     held_out = with_ids(3)
-    metrics = validate(model, validation_share(held_out, 0, 1), OPTIONS, None)
-    full = {**OPTIONS, "max_anchors": None, "depth_keep_decay": 1.0}
+    metrics = validate(model, validation_share(held_out, 0, 1), tiny_options(), None)
+    full = tiny_options(max_anchors=None, depth_keep_decay=1.0)
     with torch.no_grad():
         losses = [model.training_loss([s], full, torch.Generator().manual_seed(0))[0].item() for s in held_out]
     assert metrics["val.loss"] == pytest.approx(sum(losses) / 3, rel=1e-6)
     assert 1.0 <= metrics["val.proxy_tau"] <= 1.0 + 4 and model.training
     # a repeat that is not counted changes nothing
     padded = validation_share(held_out, 0, 1) + [(held_out[0], False)]
-    assert validate(model, padded, OPTIONS, None) == pytest.approx(metrics)
+    assert validate(model, padded, tiny_options(), None) == pytest.approx(metrics)

@@ -10,8 +10,11 @@ from pipeline.drafters.spec import DrafterSpec
 
 HIDDEN, VOCAB = 32, 50
 ALGORITHMS = sorted(DRAFTERS)
-OPTIONS = {"depth_keep_decay": 0.8, "max_anchors": 8, "loss_decay_gamma": 7.0, "confidence_loss_weight": 1.0,
-           "selector_loss_alpha": 1.0}
+
+
+def tiny_options(algorithm: str = "peagle", **overrides):
+    """The drafter's own options (its config_class) at their schema defaults, with 8 anchors a sample."""
+    return DRAFTERS[algorithm].config_class(**{"max_anchors": 8, **overrides})
 
 
 def tiny_spec(algorithm: str = "peagle", num_speculative_tokens: int = 4, draft_token_ids=None, **extra) -> DrafterSpec:

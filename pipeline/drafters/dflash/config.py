@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
 
 from pipeline.config.schema import DrafterConfig
+
+
+class PositionWeighting(StrEnum):
+    decay = "decay"
+    dpace = "dpace"
+
+
+class DistillTarget(StrEnum):
+    distribution = "distribution"
+    argmax = "argmax"
 
 
 @dataclass
@@ -19,11 +30,11 @@ class DFlashConfig(DrafterConfig):
     loss_decay_gamma: float = 7.0
     # "dpace" weighs each draft by what the block's expected accepted length gains from it, from the rows' own
     # losses (speculators' D-PACE, its DFlash default; needs distill_target "argmax"), smoothed by dpace_alpha.
-    position_weighting: str = "decay"
+    position_weighting: PositionWeighting = PositionWeighting.decay
     dpace_alpha: float = 0.5
     # What a draft learns from the verifier: its next-token "distribution" (soft cross-entropy) or its greedy token
     # ("argmax": cross-entropy on it, speculators' `ce`, its DFlash default).
-    distill_target: str = "distribution"
+    distill_target: DistillTarget = DistillTarget.distribution
 
     def validate(self) -> None:
         """D-PACE reads each draft's probability of the verifier's greedy token, which only the argmax target's
@@ -32,10 +43,6 @@ class DFlashConfig(DrafterConfig):
 
         super().validate()
         require(self.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
-        require(self.distill_target in ("distribution", "argmax"),
-                "drafter.distill_target: must be 'distribution' or 'argmax'")
-        require(self.position_weighting in ("decay", "dpace"),
-                "drafter.position_weighting: must be 'decay' or 'dpace'")
         require(self.position_weighting == "decay" or self.distill_target == "argmax",
                 "drafter.position_weighting: 'dpace' needs drafter.distill_target=argmax (its weights read the "
                 "drafter's probability of the verifier's greedy token)")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.base import DrafterBase
 from pipeline.drafters.dflash.blocks import acceptance_weights, block_attention_allowed, position_decay, sample_anchors
 from pipeline.drafters.dflash.config import DFlashConfig
@@ -203,34 +204,34 @@ class DFlashDrafter(DrafterBase):
         hidden = self.block_after_context(aux_hidden, next_ids)
         return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_speculative_tokens]
 
-    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
-                      generator: torch.Generator | None = None):
-        return block_loss(self, samples, self.resolved_options(options), generator)[:3]
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: DrafterConfig,
+                      generator: torch.Generator | None = None, count_matches: bool = True):
+        """DFlash always counts matches (its loss computes the verifier's full-vocabulary logits anyway)."""
+        return block_loss(self, samples, self.own_options(options, DFlashConfig), generator)[:3]
 
 
-def _row_weights(options: dict[str, Any], block_of_row: torch.Tensor, draft_of_row: torch.Tensor, num_blocks: int,
+def _row_weights(options: DFlashConfig, block_of_row: torch.Tensor, draft_of_row: torch.Tensor, num_blocks: int,
                  num_speculative_tokens: int):
     """Loss weight per row: exp(-j / loss_decay_gamma) of its draft index j ("decay"), or D-PACE's acceptance
     weights computed from the rows' own losses ("dpace", `acceptance_weights`)."""
-    if options["position_weighting"] == "dpace":
+    if options.position_weighting == "dpace":
         return functools.partial(acceptance_weights, block_of_row=block_of_row, draft_of_row=draft_of_row,
                                  num_blocks=num_blocks, num_speculative_tokens=num_speculative_tokens,
-                                 alpha=float(options["dpace_alpha"]))
-    decay = position_decay(num_speculative_tokens, float(options["loss_decay_gamma"]))
+                                 alpha=options.dpace_alpha)
+    decay = position_decay(num_speculative_tokens, options.loss_decay_gamma)
     return decay.to(draft_of_row.device)[draft_of_row]
 
 
-def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
+def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], options: DFlashConfig,
                generator: torch.Generator | None = None):
-    """Position-decayed distillation over random anchor blocks. options: resolved over the drafter's schema
-    (DrafterBase.resolved_options; both callers' training_loss resolve them once).
+    """Position-decayed distillation over at most options.max_anchors random anchor blocks per sample.
 
     Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's and DFlash2's heads need:
     each trained row's hidden state [M, H], previous token, weight, acceptance, draft index j and the verifier's
     greedy token.
     """
     num_speculative_tokens, bs = model.spec.num_speculative_tokens, model.block_size
-    anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options["max_anchors"], generator) for s in samples]
+    anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options.max_anchors, generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
         zero = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
         zeros = torch.zeros(num_speculative_tokens, dtype=torch.long, device=zero.device)
@@ -266,6 +267,6 @@ def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], opt
     # rows of a position share its previous token).
     loss, correct, total, acceptance = distill_hidden_rows(
         model, rows, teacher, j, weights, teacher_rows, bias=model.logit_bias(input_ids.reshape(-1)[unique_pos]),
-        with_acceptance=model.biases_logits, target=options["distill_target"])
+        with_acceptance=model.biases_logits, target=options.distill_target)
     return loss, correct, total, {"hidden": rows, "previous": previous, "weights": weights, "acceptance": acceptance,
                                   "draft_index": j, "teacher_argmax": teacher.argmax(dim=-1)[teacher_rows]}

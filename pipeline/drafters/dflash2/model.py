@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.dflash.model import DFlashDecoderLayer, DFlashDrafter, block_loss
 from pipeline.drafters.dflash2.config import DFlash2Config
 from pipeline.drafters.spec import DrafterSpec
@@ -169,13 +170,13 @@ class DFlash2Drafter(DFlashDrafter):
             drafts.append(previous)
         return torch.cat(drafts)
 
-    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
-                      generator: torch.Generator | None = None):
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: DrafterConfig,
+                      generator: torch.Generator | None = None, count_matches: bool = True):
         """DFlash's unary distillation + selector_loss_alpha x the selector's cross-entropy over the unary top-k
         (the verifier's greedy token put in the last candidate's place when the top-k misses it, as speculators
         trains it), teacher-forced on the true previous token. correct/total count the selector's choice."""
-        options = self.resolved_options(options)
-        loss, _, total, extras = block_loss(self, samples, options, generator)
+        own = self.own_options(options, DFlash2Config)
+        loss, _, total, extras = block_loss(self, samples, own, generator)
         if extras is None:
             return loss, torch.zeros_like(total), total
         hidden, target, slot = extras["hidden"], extras["teacher_argmax"], extras["draft_index"]
@@ -186,7 +187,7 @@ class DFlash2Drafter(DFlashDrafter):
         selector_loss = (per_row * weights).sum() / weights.sum()
         chosen = candidates.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
         correct = torch.zeros_like(total).index_add_(0, slot, (chosen == target).long())
-        return loss + float(options["selector_loss_alpha"]) * selector_loss, correct, total
+        return loss + own.selector_loss_alpha * selector_loss, correct, total
 
 
 def training_candidates(candidates: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

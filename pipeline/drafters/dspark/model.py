@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.dflash.model import DFlashDrafter, block_loss
 from pipeline.drafters.dspark.config import DSparkConfig
 from pipeline.drafters.spec import DrafterSpec
@@ -112,10 +113,10 @@ class DSparkDrafter(DFlashDrafter):
         drafts, confidences = self.draft_with_confidence(aux_hidden, next_ids, num_speculative_tokens)
         return drafts[: keep_count(confidences, self.confidence_threshold)]
 
-    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: dict[str, Any],
-                      generator: torch.Generator | None = None):
-        options = self.resolved_options(options)
-        loss, correct, total, extras = block_loss(self, samples, options, generator)
+    def training_loss(self, samples: list[dict[str, torch.Tensor]], options: DrafterConfig,
+                      generator: torch.Generator | None = None, count_matches: bool = True):
+        own = self.own_options(options, DSparkConfig)
+        loss, correct, total, extras = block_loss(self, samples, own, generator)
         if extras is None:
             return loss, correct, total
         # the confidence head learns each draft's acceptance probability, 1 - TV(draft, verifier), computed with
@@ -124,7 +125,7 @@ class DSparkDrafter(DFlashDrafter):
         per_row = F.binary_cross_entropy_with_logits(logits, extras["acceptance"], reduction="none")
         weights = extras["weights"]
         confidence_loss = (per_row * weights).sum() / weights.sum()
-        return loss + float(options["confidence_loss_weight"]) * confidence_loss, correct, total
+        return loss + own.confidence_loss_weight * confidence_loss, correct, total
 
 
 def keep_count(confidences: torch.Tensor, threshold: float) -> int:

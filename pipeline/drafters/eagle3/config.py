@@ -18,6 +18,11 @@ class EagleFamilyConfig(DrafterConfig):
     # carries it and vLLM serves it. DFlash and DSpark exports take the verifier's embedding instead.
     embed_requires_grad: bool = False
 
+    def depth_keep_decay_in_training(self) -> float:
+        """Chain depth d trains on a fraction decay**d of the anchors: 1.0 (every depth of every anchor) unless
+        the drafter sparsifies depth (P-EAGLE's depth_keep_decay)."""
+        return 1.0
+
 
 @dataclass
 class Eagle3Config(EagleFamilyConfig):

@@ -43,7 +43,6 @@ def rows_at_depth(depths: torch.Tensor, valid: torch.Tensor, depth: int) -> tupl
 class Eagle3Drafter(EagleFamilyDrafter):
     algorithm = "eagle3"
     config_class = Eagle3Config
-    sparsifies_depth = False
     extra_keys: tuple[str, ...] = ("norm_before_fc", "norm_output", "embed_requires_grad")
     speculators_architecture = "Eagle3Speculator"
 

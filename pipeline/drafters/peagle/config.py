@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Self
 
 from pipeline.drafters.eagle3.config import EagleFamilyConfig
 
@@ -15,6 +15,12 @@ class PEagleConfig(EagleFamilyConfig):
     mask_token_id: Optional[int] = None
     # Draft-block sparsification (P-EAGLE): chain depth d is kept for a fraction depth_keep_decay**d of anchors.
     depth_keep_decay: float = 0.8
+
+    def depth_keep_decay_in_training(self) -> float:
+        return self.depth_keep_decay
+
+    def deterministic(self) -> Self:
+        return replace(super().deterministic(), depth_keep_decay=1.0)
 
     def validate(self) -> None:
         from pipeline.errors import require

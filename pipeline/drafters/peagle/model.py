@@ -22,7 +22,6 @@ from pipeline.errors import PipelineError
 class PEagleDrafter(EagleFamilyDrafter):
     algorithm = "peagle"
     config_class = PEagleConfig
-    sparsifies_depth = True
     speculators_architecture = "PEagleSpeculator"
 
     @classmethod
