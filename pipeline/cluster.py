@@ -44,36 +44,67 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
 
 def _start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:
     """Call init() (a local ray.init), again up to `attempts` times in all when the new node misses Ray's fixed
-    startup wait, first stopping the processes the half-started node left (Ray does not: they would hold cores and
-    ports). Raises the last attempt's error, or any other error at once."""
+    startup wait. Each missed attempt's processes are stopped first (Ray leaves them running, holding cores and
+    ports), the last one's too before its error is raised. Any other error is raised at once."""
     import psutil
     import ray
 
     for attempt in range(1, attempts + 1):
-        children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+        children_before = {child.pid for child in psutil.Process().children()}
         try:
             init()
             return
         except Exception as error:
-            if _NODE_START_TIMEOUT not in str(error) or attempt == attempts:
+            if _NODE_START_TIMEOUT not in str(error):
+                raise
+            ray.shutdown()
+            _stop_started_children(children_before)
+            if attempt == attempts:
                 raise
             log.warning("the local Ray node did not register in time (attempt %d of %d); stopping it and retrying",
                         attempt, attempts)
-            ray.shutdown()
-            _stop_new_children(children_before)
 
 
-def _stop_new_children(children_before: set[int]) -> None:
-    """Kill this process's descendants that were not in children_before (what a failed ray.init started)."""
+def _stop_started_children(children_before: set[int]) -> None:
+    """Kill the direct children of this process not in children_before (a failed ray.init's GCS server and raylet)
+    and everything under them. They are suspended first, so none forks a process the kill would miss; processes
+    under children that were already running are left alone."""
     import psutil
 
-    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in children_before]
+    started = [child for child in psutil.Process().children() if child.pid not in children_before and _running(child)]
     for child in started:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(started, timeout=10)
+        _signal(child, "suspend")
+    tree = [*started, *(grandchild for child in started for grandchild in _descendants(child))]
+    for process in tree:
+        _signal(process, "kill")
+    psutil.wait_procs(tree, timeout=10)
+
+
+def _signal(process: Any, action: str) -> None:
+    import psutil
+
+    try:
+        getattr(process, action)()
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _running(process: Any) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _descendants(process: Any) -> list:
+    import psutil
+
+    try:
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _connect(address: str) -> None:
