@@ -37,12 +37,12 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     # core_worker ERROR about actor restarts (ray-project/ray#53727).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     extra: dict[str, Any] = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-    _start_local(lambda: ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
+    start_local(lambda: ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
                                   runtime_env=ray_runtime_env(), **extra))
     _started_locally = True
 
 
-def _start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:
+def start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:
     """Call init() (a local ray.init), again up to `attempts` times in all when the new node misses Ray's fixed
     startup wait. Each missed attempt's processes are stopped first (Ray leaves them running, holding cores and
     ports), the last one's too before its error is raised. Any other error is raised at once."""

@@ -69,8 +69,10 @@ def tiny_family_path(tmp_path_factory):
 def ray_local():
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False)
+    from pipeline.cluster import start_local
+
+    if not ray.is_initialized():  # retried as the jobs retry it: a loaded CI machine can miss Ray's startup wait
+        start_local(lambda: ray.init(num_cpus=2, include_dashboard=False))
     yield ray
     ray.shutdown()
 

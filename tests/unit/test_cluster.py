@@ -53,7 +53,7 @@ def stop(pids: list[int]) -> None:
 
 def test_a_node_that_misses_the_startup_wait_is_stopped_and_started_again(no_ray_shutdown):
     init = FlakyInit(failures=2)
-    cluster._start_local(init, attempts=3)
+    cluster.start_local(init, attempts=3)
     assert init.calls == 3 and len(init.started) == 4
     assert init.still_running() == []  # each failed node and the process it started are gone (they sleep 60 s)
 
@@ -61,7 +61,7 @@ def test_a_node_that_misses_the_startup_wait_is_stopped_and_started_again(no_ray
 def test_the_last_attempts_error_is_raised_after_its_node_is_stopped(no_ray_shutdown):
     init = FlakyInit(failures=5)
     with pytest.raises(Exception, match="timed out during startup"):
-        cluster._start_local(init, attempts=2)
+        cluster.start_local(init, attempts=2)
     assert init.calls == 2
     assert init.still_running() == []
 
@@ -70,7 +70,7 @@ def test_any_other_error_is_raised_at_once(no_ray_shutdown):
     init = FlakyInit(failures=5, error=ValueError("num_cpus must be positive"))
     try:
         with pytest.raises(ValueError, match="num_cpus"):
-            cluster._start_local(init, attempts=3)
+            cluster.start_local(init, attempts=3)
         assert init.calls == 1
     finally:
         stop(init.started)
@@ -80,7 +80,7 @@ def test_processes_running_before_the_attempt_are_left_alone(no_ray_shutdown):
     bystander = subprocess.Popen([sys.executable, "-c", NODE], stdout=subprocess.PIPE, text=True)
     its_child = int(bystander.stdout.readline())
     try:
-        cluster._start_local(FlakyInit(failures=1), attempts=2)
+        cluster.start_local(FlakyInit(failures=1), attempts=2)
         assert bystander.poll() is None and psutil.Process(its_child).status() != psutil.STATUS_ZOMBIE
     finally:
         stop([its_child, bystander.pid])
