@@ -11,8 +11,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config.schema import DeepSpeedConfig, DrafterConfig, EvaluationConfig, TrainingConfig
+from pipeline.config.schema import (
+    DataConfig,
+    DeepSpeedConfig,
+    DrafterConfig,
+    EvaluationConfig,
+    GenerationConfig,
+    TrainingConfig,
+)
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
+
+if typing.TYPE_CHECKING:
+    from pipeline.drafters.base import DrafterBase
 
 
 def _plain(value: Any) -> Any:
@@ -40,8 +50,9 @@ def result_settings(values: Any, schema: type) -> dict:
 
 
 def _used_data_settings(data_cfg: Any) -> dict:
-    """cfg.data without the synthetic settings of a source that does not read them (they change no prompt)."""
-    data = _plain(data_cfg)
+    """cfg.data's result settings (not its `name` label), without the synthetic settings of a source that does not
+    read them (they change no prompt)."""
+    data = result_settings(data_cfg, DataConfig)
     if data.get("source") not in WRITTEN_BY_THE_VERIFIER:
         data.pop("synthetic", None)
     return data
@@ -53,6 +64,22 @@ def chat_additions(verifier_cfg: Any) -> dict:
     additions = {"chat_template": verifier_cfg.chat_template,
                  "end_of_turn_tokens": list(verifier_cfg.end_of_turn_tokens)}
     return {key: value for key, value in additions.items() if value}
+
+
+def _drafter_class(name: str) -> type[DrafterBase]:
+    from pipeline.drafters import drafter_class  # the registry imports torch: only when keys are built
+
+    return drafter_class(name)
+
+
+def _val_tau_decoding(cfg: DictConfig, drafter_class: type[DrafterBase]) -> list[dict]:
+    """How val.tau decodes, when training measures it (training.val_tau_samples > 0): the evaluation's K and the
+    drafter's decoding options. They change the logged val.tau and so the checkpoint select_best_by picks; [] (the
+    key as before) when val.tau is off."""
+    if cfg.training.val_tau_samples <= 0:
+        return []
+    return [{"val_tau_decoding": {"num_speculative_tokens": cfg.evaluation.num_speculative_tokens,
+                                  **drafter_class.evaluated_extra(cfg.evaluation)}}]
 
 
 class StagePaths:
@@ -73,23 +100,28 @@ class StagePaths:
         writer = [verifier, cfg.verifier.compute_dtype] if cfg.data.source in WRITTEN_BY_THE_VERIFIER else []
         self.prompts_key = content_key(data, "split-v2", *writer)
         gen = cfg.generation
-        regeneration = {k: gen[k] for k in ("backend", "responses", "temperature", "top_p", "seed",
-                                             "max_new_tokens", "max_length", "overlength")}
+        regeneration = result_settings(gen, GenerationConfig)
+        compression = regeneration.pop("compression")  # how the store keeps hidden states: the store's key, below
         self.regenerated_key = content_key(self.prompts_key, verifier, regeneration, cfg.verifier.compute_dtype)
         # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
         # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
-        self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, gen.compression)
+        self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, compression)
         # Logging, retries and labels stay out (schema.NOT_A_RESULT): changing them resumes the same run.
         # The drafter's options are its own schema's (pipeline/drafters/<name>/config.py).
         drafter_schema = OmegaConf.get_type(cfg.drafter)
         if not (isinstance(drafter_schema, type) and issubclass(drafter_schema, DrafterConfig)):
             drafter_schema = DrafterConfig
+        drafter_class = _drafter_class(cfg.drafter.name)
         self.train_key = content_key(self.store_key, result_settings(cfg.drafter, drafter_schema),
                                      result_settings(cfg.training, TrainingConfig),
-                                     result_settings(cfg.deepspeed, DeepSpeedConfig))
+                                     result_settings(cfg.deepspeed, DeepSpeedConfig),
+                                     *_val_tau_decoding(cfg, drafter_class))
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
         # gate's thresholds decide on a report without changing it, so they stay out of the key.
         measured = {k: v for k, v in result_settings(cfg.evaluation, EvaluationConfig).items() if k != "gate"}
+        # A decoding option counts only for a drafter that decodes with it (DSpark's confidence threshold).
+        measured.pop("confidence_threshold", None)
+        measured["decoding"] = drafter_class.evaluated_extra(cfg.evaluation)
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
         measured["sets"] = {name: measured["sets"][name] for name in cfg.evaluation.datasets
                             if name in measured["sets"]}
@@ -132,4 +164,6 @@ class StagePaths:
 
     @property
     def export(self) -> Path:
-        return self.root / "export" / self.train_key
+        """One export per evaluation, as its model card and decoding options (DSpark's threshold) are that
+        evaluation's: another K or threshold on the same checkpoint never overwrites it."""
+        return self.root / "export" / self.evaluation_key

