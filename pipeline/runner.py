@@ -32,13 +32,13 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
     also when a stage fails. Returns each stage's result by name (and the parent run's id); raises PipelineError
     for bad input, and whatever a stage raises."""
-    from pipeline.drafters.build import check_configured_aux_layers
+    from pipeline.drafters.build import check_configured_drafter_ids
     from pipeline.families import check_verifier_family
 
     validate(cfg)
     ctx = Context.create(cfg)
     check_verifier_family(ctx.verifier_path)
-    check_configured_aux_layers(cfg.drafter, ctx.verifier_path)
+    check_configured_drafter_ids(cfg.drafter, ctx.verifier_path)
     results: dict[str, Any] = {}
     times = StageTimes()
     with ctx.tracking(job).parent_run(job) as parent_run_id:

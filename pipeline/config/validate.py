@@ -81,6 +81,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.training.max_tokens_per_micro_batch >= 0,
              "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
     _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
+    _require(cfg.training.torch_threads_per_worker >= 1, "training.torch_threads_per_worker: must be >= 1")
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")
     _require(not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
              "deepspeed.offload_params: parameters are offloaded only by ZeRO stage 3")
@@ -131,6 +132,8 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
                 check_synthetic_config(definition.synthetic, f"evaluation.sets.{name}.synthetic")
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
+    _require_fraction(evaluation.vllm.memory_fraction, "evaluation.vllm.memory_fraction")
+    _require(evaluation.vllm.max_model_len >= 1, "evaluation.vllm.max_model_len: must be >= 1")
     _require(evaluation.vllm.near_tie_steps >= 0, "evaluation.vllm.near_tie_steps: must be >= 0 (rounding steps)")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
     _require(evaluation.gate.min_tau_gain >= 0,
@@ -188,8 +191,15 @@ def _validate_training_cadence(training: DictConfig) -> None:
     _require(training.grad_clip >= 0, "training.grad_clip: must be >= 0 (0 = no clipping)")
 
 
+def _require_fraction(value: float, field: str) -> None:
+    _require(0 < value <= 1, f"{field}: must be in (0, 1] (a share of device memory), got {value}")
+
+
 def _validate_generation_parallelism(gen: DictConfig) -> None:
     _require(gen.tensor_parallel_size >= 1, "generation.tensor_parallel_size: must be >= 1")
+    _require(gen.cpus_per_actor >= 1, "generation.cpus_per_actor: must be >= 1")
+    _require(gen.torch_threads >= 1, "generation.torch_threads: must be >= 1")
+    _require_fraction(gen.gpu_memory_utilization, "generation.gpu_memory_utilization")
     _require(gen.tensor_parallel_size == 1 or (gen.backend == "vllm" and (gen.capture_backend or "vllm") == "vllm"),
              "generation.tensor_parallel_size: > 1 needs generation.backend=vllm (and a vllm capture_backend)")
 
@@ -240,6 +250,10 @@ def _validate_serving(serving: DictConfig) -> None:
     _require(serving.accelerator in ("cpu", "gpu"), "serving.accelerator: must be cpu or gpu")
     _require(1 <= serving.port <= 65535, "serving.port: must be a TCP port (1..65535)")
     _require(serving.tensor_parallel_size >= 1, "serving.tensor_parallel_size: must be >= 1")
+    _require(serving.dtype in ("auto", *KNOWN_DTYPES),
+             f"serving.dtype: '{serving.dtype}' is not one of {('auto', *KNOWN_DTYPES)}")
+    _require_fraction(serving.memory_fraction, "serving.memory_fraction")
+    _require(serving.max_model_len >= 1, "serving.max_model_len: must be >= 1")
     _require(serving.num_speculative_tokens is None or serving.num_speculative_tokens >= 1,
              "serving.num_speculative_tokens: must be >= 1 (or null for the evaluation's recommended K)")
     _require(serving.max_request_bytes >= 1024, "serving.max_request_bytes: must be >= 1024")

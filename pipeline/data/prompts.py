@@ -89,7 +89,12 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
         return rows
     if source == "hub":
         subset = data_cfg.get("subset")
-        raw = datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
+        try:
+            raw = datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
+        except Exception as error:  # offline, a missing dataset, subset or split: the hub raises many types
+            first_line = (str(error).splitlines() or [""])[0][:200]
+            raise PipelineError(f"data.path: cannot load hub dataset '{data_cfg.path}' (subset {subset}, split "
+                                f"{data_cfg.split}): {type(error).__name__}: {first_line}") from error
         return _numbered(raw, f"hub dataset '{data_cfg.path}'")
     raise PipelineError(f"data.source: unknown source '{source}'")
 

@@ -79,14 +79,26 @@ def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
                             f"hidden states in layer order ({sorted(aux)})")
 
 
-def check_configured_aux_layers(drafter_cfg: Any, verifier_path: str) -> None:
-    """Before any stage: configured drafter.aux_layer_ids checked against the verifier's layer count (its
-    config.json), so a bad id is refused in a second rather than after generation and capture. Raises PipelineError;
-    nothing to check (and nothing read) when the drafter's defaults are used."""
-    if not drafter_cfg.aux_layer_ids:
+def check_mask_token_id(mask_token_id: int, vocab_size: int) -> None:
+    """The mask token fills a block's draft positions through the verifier's embedding [V, H]: it must index it.
+    Raises PipelineError naming drafter.mask_token_id."""
+    if not 0 <= int(mask_token_id) < int(vocab_size):
+        raise PipelineError(f"drafter.mask_token_id: {mask_token_id} is outside the verifier's vocabulary "
+                            f"(0..{int(vocab_size) - 1})")
+
+
+def check_configured_drafter_ids(drafter_cfg: Any, verifier_path: str) -> None:
+    """Before any stage: configured drafter.aux_layer_ids and drafter.mask_token_id checked against the verifier's
+    config.json (layer count, vocabulary), so a bad id is refused in a second rather than after generation and
+    capture. Raises PipelineError; nothing to check (and nothing read) when the drafter's defaults are used."""
+    mask_token_id = drafter_cfg.get("mask_token_id")  # the drafters that fill positions with a mask token
+    if not drafter_cfg.aux_layer_ids and mask_token_id is None:
         return
-    check_aux_layer_ids(list(drafter_cfg.aux_layer_ids),
-                        int(load_verifier_config(verifier_path).num_hidden_layers))
+    verifier_config = load_verifier_config(verifier_path)
+    if drafter_cfg.aux_layer_ids:
+        check_aux_layer_ids(list(drafter_cfg.aux_layer_ids), int(verifier_config.num_hidden_layers))
+    if mask_token_id is not None:
+        check_mask_token_id(mask_token_id, verifier_config.vocab_size)
 
 
 def make_spec(
@@ -94,7 +106,7 @@ def make_spec(
 ) -> DrafterSpec:
     """The drafter's spec for a verifier. verifier_config: the checkpoint's HF config or its text config
     (load_verifier_config); a multimodal one is read through its text model, the architecture is the checkpoint's.
-    Raises PipelineError for bad aux layer ids or an unsupported family."""
+    Raises PipelineError for bad aux layer ids, a mask token outside the vocabulary or an unsupported family."""
     architecture = (verifier_config.architectures or [""])[0]
     verifier_config = verifier_config.get_text_config(decoder=True)
     num_layers = int(verifier_config.num_hidden_layers)
@@ -102,6 +114,7 @@ def make_spec(
     check_aux_layer_ids(aux, num_layers)
     configured_mask = drafter_cfg.get("mask_token_id")  # the drafters that fill positions with a mask token
     mask_token_id = configured_mask if configured_mask is not None else default_mask_token_id
+    check_mask_token_id(mask_token_id, verifier_config.vocab_size)
     from pipeline.drafters import drafter_class
 
     cls = drafter_class(drafter_cfg.name)

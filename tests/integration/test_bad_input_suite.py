@@ -109,6 +109,16 @@ OVERRIDES = [
     ("serving.model=models:/m/latest", "serving.model: 'models:/m/latest' is not"),
     ("stages=[prompts,nope]", "stages: unknown stage 'nope'"),
     ("+training.no_such_option=3", "training.no_such_option: unknown config key"),
+    # each reached a Ray worker or vLLM before it failed
+    ("training.torch_threads_per_worker=0", "training.torch_threads_per_worker: must be >= 1"),
+    ("generation.torch_threads=0", "generation.torch_threads: must be >= 1"),
+    ("generation.cpus_per_actor=0", "generation.cpus_per_actor: must be >= 1"),
+    ("generation.gpu_memory_utilization=1.5", "generation.gpu_memory_utilization: must be in (0, 1]"),
+    ("evaluation.vllm.memory_fraction=0", "evaluation.vllm.memory_fraction: must be in (0, 1]"),
+    ("evaluation.vllm.max_model_len=0", "evaluation.vllm.max_model_len: must be >= 1"),
+    ("serving.dtype=fp33", "serving.dtype: 'fp33' is not one of"),
+    ("serving.memory_fraction=2", "serving.memory_fraction: must be in (0, 1]"),
+    ("serving.max_model_len=0", "serving.max_model_len: must be >= 1"),
 ]
 
 
@@ -238,6 +248,23 @@ def test_aux_layer_ids_vllm_would_read_otherwise_are_refused(aux, message, tiny_
     config = AutoConfig.from_pretrained(tiny_verifier_path)
     with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: " + message):
         make_spec(compose([f"drafter.aux_layer_ids={aux}"]).drafter, config, "t", tiny_verifier_path, 0)
+
+
+@pytest.mark.parametrize("mask", ["-1", "99999999"])
+def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_stage(mask, tiny_verifier_path, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from pipeline.drafters.build import make_spec
+
+    cfg = compose([*tiny_overrides(tmp_path, tiny_verifier_path), "drafter=dflash", f"drafter.mask_token_id={mask}"])
+    assert run_job(cfg, "generate") == 2
+    assert re.match(rf"error: drafter\.mask_token_id: {mask} is outside the verifier's vocabulary \(0\.\.\d+\)",
+                    _error_line(capsys))
+    assert not (tmp_path / "prompts").exists()
+    config = AutoConfig.from_pretrained(tiny_verifier_path)
+    with pytest.raises(PipelineError, match=r"drafter\.mask_token_id: "):
+        make_spec(compose(["drafter=dflash", f"drafter.mask_token_id={mask}"]).drafter, config, "t",
+                  tiny_verifier_path, 0)
 
 
 def test_a_resume_with_another_draft_vocabulary_of_the_same_size_names_the_first_difference(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 
 from pipeline.data.chat import prompt_messages, tokenize_conversation
 from pipeline.data.prompts import load_prompts, split_prompts
@@ -174,3 +175,13 @@ def test_an_empty_conversation_with_a_system_prompt_is_skipped_not_a_crash(tmp_p
     path = write_jsonl(tmp_path / "p.jsonl", [{"messages": []}, {"prompt": "real"}])
     prompts = load_prompts(data_cfg(path=str(path), system_prompt="Be brief."))
     assert len(prompts) == 1 and prompts[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_a_hub_dataset_that_cannot_load_is_one_line_naming_it(monkeypatch):
+    """Offline (as here: hubs are unreachable) or a dataset id that does not exist: the field and the id, not the
+    hub client's traceback."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PipelineError, match=r"data\.path: cannot load hub dataset 'no-such-org/no-such-set'") as error:
+        load_prompts(OmegaConf.create(vars(data_cfg(source="hub", path="no-such-org/no-such-set", subset=None))))
+    assert "\n" not in str(error.value)
