@@ -39,10 +39,11 @@ def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float) -> Calla
     return factor
 
 
-def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
-    """A tensor Muon updates without DeepSpeed: a trainable 2-D matrix with both sides > 1, not a vocabulary
-    matrix (speculators' `split_named_params_for_muon` rule)."""
-    vocabulary = any(hint in name for hint in ("embed_tokens", "lm_head", "markov_w1", "markov_w2"))
+def is_muon_matrix(name: str, param: torch.Tensor, vocabulary_matrices: tuple[str, ...]) -> bool:
+    """A tensor Muon updates without DeepSpeed: a trainable 2-D matrix with both sides > 1, not one of the
+    drafter's vocabulary matrices (names containing an entry of its `vocabulary_matrices`; speculators'
+    `split_named_params_for_muon` rule)."""
+    vocabulary = any(fragment in name for fragment in vocabulary_matrices)
     return param.requires_grad and param.ndim == 2 and min(param.shape) > 1 and not vocabulary
 
 
@@ -51,8 +52,9 @@ def torch_optimizers(model: torch.nn.Module, training: TrainingConfig) -> list[t
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if training.optimizer == "adamw":
         return [torch.optim.AdamW([p for _, p in named], lr=training.lr, weight_decay=training.weight_decay)]
-    matrices = [p for name, p in named if is_muon_matrix(name, p)]
-    rest = [p for name, p in named if not is_muon_matrix(name, p)]
+    vocabulary = tuple(getattr(model, "vocabulary_matrices", ("embed_tokens", "lm_head")))
+    matrices = [p for name, p in named if is_muon_matrix(name, p, vocabulary)]
+    rest = [p for name, p in named if not is_muon_matrix(name, p, vocabulary)]
     optimizers: list[torch.optim.Optimizer] = []
     if matrices:
         optimizers.append(torch.optim.Muon(matrices, lr=training.muon_lr, momentum=training.muon_momentum,
@@ -86,8 +88,10 @@ def deepspeed_grad_clip(training: TrainingConfig) -> float:
 
 def deepspeed_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[dict]:
     """Parameter groups for DeepSpeed's Muon: matrices (as DeepSpeed tags them) with muon_weight_decay, the rest
-    with weight_decay. DeepSpeed splits each group into its Muon and Adam halves by its own tag, so a group is
-    chosen by the same rule (two or more dimensions, not an embedding or head)."""
+    with weight_decay. deepspeed.initialize tags every parameter itself (two or more dimensions and no "embed" or
+    "lm_head" in its name) and splits each group into its Muon and Adam halves by that tag, overriding any tag of
+    ours; so the groups follow DeepSpeed's rule, not the drafter's `vocabulary_matrices` (under ZeRO, DSpark's
+    [V, rank] Markov matrices are updated by Muon, without DeepSpeed by AdamW)."""
     matrices: list[torch.nn.Parameter] = []
     rest: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():

@@ -52,6 +52,7 @@ class DSparkDrafter(DFlashDrafter):
     biases_logits = True
     speculators_architecture = "DSparkDraftModel"
     runs_on_vllm_cpu = False  # vLLM runs DSpark on its GPU model runner only
+    vocabulary_matrices = (*DFlashDrafter.vocabulary_matrices, "markov_w1", "markov_w2")  # the Markov bias [V, rank]
 
     @classmethod
     def export_fields(cls, spec: DrafterSpec) -> dict[str, Any]:
@@ -81,23 +82,37 @@ class DSparkDrafter(DFlashDrafter):
         self.confidence_threshold = float(spec.extra.get("confidence_threshold", 0.0))
 
     def decoding_options(self) -> dict[str, Any]:
+        """{"confidence_threshold": float}: the threshold `draft` truncates with (0.0 = every draft is sent)."""
         return {"confidence_threshold": self.confidence_threshold}
 
     def set_decoding_options(self, confidence_threshold: float | None = None) -> None:
+        """Truncate with `confidence_threshold` from now on (a probability in [0, 1]; 0 sends all K drafts; None keeps
+        the current one). Taken as given: nothing is checked, nothing raised."""
         if confidence_threshold is not None:
             self.confidence_threshold = float(confidence_threshold)
 
     def logit_bias(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """The Markov bias W2 · W1[prev]: previous_tokens [..] int64 target ids in [0, V) -> [.., Vd] in the heads'
+        dtype, on their device. An id outside [0, V) raises IndexError (on CUDA, a device-side assert)."""
         return self.markov_head(previous_tokens)
 
     def confidence_logits(self, hidden: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """Logit of P(draft accepted) per drafting row: hidden [.., H] (a slot's normed hidden state, in the
+        drafter's dtype) with previous_tokens [..] (int64 target ids in [0, V), the token before the draft) -> [..]
+        in hidden's dtype; sigmoid gives the confidence. Shapes that do not agree raise RuntimeError; an id outside
+        [0, V) raises IndexError."""
         features = torch.cat([hidden, self.markov_head.markov_w1(previous_tokens).to(hidden.dtype)], dim=-1)
         return self.confidence_head(features)
 
     @torch.no_grad()
     def draft_with_confidence(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int):
         """(all K drafts as target ids, their confidences): base logits in one forward, then the Markov bias and
-        the confidence one draft at a time, each conditioned on the draft before it."""
+        the confidence one draft at a time, each conditioned on the draft before it.
+
+        aux_hidden: [1, T, A*H] float (the drafter's dtype), next_ids: [1, T] int64 (next_ids[0, t] = token t + 1),
+        as block_after_context takes them. Returns drafts [K'] int64 target ids and confidences [K'] in (0, 1), in
+        the drafter's dtype, both on its device, K' = min(num_speculative_tokens, spec.num_speculative_tokens).
+        Nothing is truncated here (`draft` does). Other shapes raise RuntimeError. No gradient."""
         hidden = self.block_after_context(aux_hidden, next_ids)
         base = self.draft_logits(hidden)[:num_speculative_tokens]  # [K, Vd]
         previous = next_ids[0, -1]
@@ -110,6 +125,9 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        """The leading drafts worth sending: [n] int64 target ids, 1 <= n <= K' (draft_with_confidence's K'), the
+        longest prefix whose confidence product stays >= self.confidence_threshold (keep_count), at least one.
+        Inputs and errors as draft_with_confidence. No gradient."""
         drafts, confidences = self.draft_with_confidence(aux_hidden, next_ids, num_speculative_tokens)
         return drafts[: keep_count(confidences, self.confidence_threshold)]
 
