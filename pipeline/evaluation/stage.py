@@ -105,7 +105,7 @@ def _metrics(report: dict) -> dict[str, float]:
                "eval.greedy_mismatches": len(report["greedy_mismatches"]),
                "eval.drafts_per_step": report["drafts_per_step"]}
     metrics.update({f"eval.alpha_pos{i + 1}": a for i, a in enumerate(report["conditional_acceptance"])})
-    metrics.update({f"eval.cum_acc_pos{i + 1}": a for i, a in enumerate(report["cumulative_acceptance"])})
+    metrics.update({f"eval.cum_alpha_pos{i + 1}": a for i, a in enumerate(report["cumulative_acceptance"])})
     for name, result in report["datasets"].items():
         metrics[f"eval.{name}.pooled_tau"] = result["pooled_tau"]
         metrics[f"eval.{name}.per_request_tau"] = result["per_request_tau"]

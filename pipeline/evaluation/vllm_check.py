@@ -144,7 +144,7 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
             result.update(judge_divergences(ctx, requests, served["speculative"]["tokens"]))
         atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=1))
     metrics = {"vllm.tau": result["tau"], "vllm.tau_gap": result["tau_gap"], "vllm.reference_tau": report["pooled_tau"]}
-    metrics.update({f"vllm.cum_acc_pos{i + 1}": a for i, a in enumerate(result["cumulative_acceptance"])})
+    metrics.update({f"vllm.cum_alpha_pos{i + 1}": a for i, a in enumerate(result["cumulative_acceptance"])})
     if "requests_matching_reference" in result:
         metrics["vllm.requests_matching_reference"] = result["requests_matching_reference"]
     ctx.log_metrics(metrics)

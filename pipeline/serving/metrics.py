@@ -48,5 +48,5 @@ def served_metrics(counters: dict) -> dict[str, float]:
     figures = served_figures(counters)  # the same reading the evaluation's vLLM cross-check makes
     metrics = {"served.tau": figures["tau"], "served.num_drafts": float(figures["num_drafts"]),
                "served.num_accepted_tokens": float(figures["num_accepted_tokens"])}
-    metrics.update({f"served.cum_acc_pos{i + 1}": a for i, a in enumerate(figures["cumulative_acceptance"])})
+    metrics.update({f"served.cum_alpha_pos{i + 1}": a for i, a in enumerate(figures["cumulative_acceptance"])})
     return metrics

@@ -127,7 +127,7 @@ class _Window:
                    "train.tokens_per_s": reduced[-2].item() / max(elapsed, 1e-9),
                    "train.proxy_tau": expected_tau(accuracy),
                    "train.sequences_per_micro_batch": reduced[-1].item() / (self.micro_batches * dist.world_size())}
-        metrics.update({f"train.acc_pos{i + 1}": a for i, a in enumerate(accuracy)})
+        metrics.update({f"train.accuracy_pos{i + 1}": a for i, a in enumerate(accuracy)})
         return metrics
 
 
@@ -253,7 +253,7 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
         with_checkpoint = step % training.checkpoint_every == 0 or last
         logs = step % training.log_every == 0 or with_checkpoint
         # Greedy-match counts need the verifier's full-vocabulary argmax: a pruned drafter computes them only on
-        # the steps that log them (train.acc_pos*, train.proxy_tau are then those steps' micro-batches).
+        # the steps that log them (train.accuracy_pos*, train.proxy_tau are then those steps' micro-batches).
         for micro_index in range(accum):
             fed = next(feed)
             if (fed["step"], fed["micro"]) != (step, micro_index):  # the stream must be the planned order

@@ -18,7 +18,7 @@ import torch
 from pipeline.evaluation.measured_drafter import decoding_drafter
 from pipeline.metrics import merged
 
-METRICS = ("val.tau", "val.alpha1")
+METRICS = ("val.tau", "val.alpha_pos1")
 
 
 def prompt_of(sample: dict) -> list[int]:
@@ -29,7 +29,7 @@ def prompt_of(sample: dict) -> list[int]:
 
 
 class AcceptanceProbe:
-    """val.tau and val.alpha1 of a checkpoint on fixed prompts (token ids, [num_prompts][prompt_len]).
+    """val.tau and val.alpha_pos1 of a checkpoint on fixed prompts (token ids, [num_prompts][prompt_len]).
 
     The verifier (an HF folder, loaded in `compute_dtype` on first use) stays in memory between checkpoints.
     max_new_tokens: the decode length of each prompt; batch_size: prompts decoded together, as the evaluate stage
@@ -52,7 +52,7 @@ class AcceptanceProbe:
 
     @torch.no_grad()
     def measure(self, checkpoint: Path) -> dict[str, float]:
-        """{val.tau, val.alpha1} of the drafter saved in `checkpoint` (a folder with spec.json and weights)."""
+        """{val.tau, val.alpha_pos1} of the drafter saved in `checkpoint` (a folder with spec.json and weights)."""
         from pipeline.evaluation.reference_decoder import SpeculativeDecoder
 
         verifier = self._load()
@@ -64,7 +64,7 @@ class AcceptanceProbe:
             counts += [c for _, c in decoder.generate_batch(self.prompts[start:start + self.batch_size],
                                                             self.max_new_tokens, self._stop_token_ids)]
         total = merged(counts)
-        return {"val.tau": total.tau, "val.alpha1": total.conditional_acceptance[0]}
+        return {"val.tau": total.tau, "val.alpha_pos1": total.conditional_acceptance[0]}
 
 
 def proxy_agreement(points: list[dict[str, float]]) -> dict[str, float]:

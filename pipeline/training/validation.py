@@ -36,7 +36,7 @@ def validation_share(held_out: list[dict], rank: int, world: int) -> list[tuple[
 
 def validate(model: torch.nn.Module, share: list[tuple[dict, bool]], options: DrafterConfig,
              autocast) -> dict[str, float]:
-    """val.loss (mean over held-out samples), val.acc_pos{k} and val.proxy_tau, reduced over every rank. The loss
+    """val.loss (mean over held-out samples), val.accuracy_pos{k} and val.proxy_tau, reduced over every rank. The loss
     draws nothing at random (options.deterministic(): every anchor at every depth)."""
     drafter = cast(Drafter, model)
     options = options.deterministic()
@@ -56,5 +56,5 @@ def validate(model: torch.nn.Module, share: list[tuple[dict, bool]], options: Dr
     k = (sums.numel() - 2) // 2
     accuracy = [(c / t).item() if t > 0 else 0.0 for c, t in zip(sums[2:2 + k], sums[2 + k:])]
     metrics = {"val.loss": sums[0].item() / max(sums[1].item(), 1.0), "val.proxy_tau": expected_tau(accuracy)}
-    metrics.update({f"val.acc_pos{i + 1}": a for i, a in enumerate(accuracy)})
+    metrics.update({f"val.accuracy_pos{i + 1}": a for i, a in enumerate(accuracy)})
     return metrics

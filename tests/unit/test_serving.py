@@ -227,7 +227,8 @@ def test_served_tau_sums_the_replicas_of_one_model():
                         "num_accepted_tokens_per_pos": [16, 4]}
     metrics = served_metrics(counters)
     assert metrics["served.tau"] == pytest.approx(1.5)
-    assert metrics["served.cum_acc_pos1"] == pytest.approx(0.4) and metrics["served.cum_acc_pos2"] == pytest.approx(0.1)
+    assert metrics["served.cum_alpha_pos1"] == pytest.approx(0.4)
+    assert metrics["served.cum_alpha_pos2"] == pytest.approx(0.1)
     assert served_metrics(spec_decode_counters("", "m")) == {}
 
 
