@@ -145,6 +145,12 @@ def main() -> None:
     scaling = sub.add_parser("loss-scaling")
     scaling.add_argument("--out", default="benchmarks/results/loss_scaling.json")
     args = parser.parse_args()
+    if args.command == "harness" and args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be at least 1")
+    if args.command == "harness" and Path(args.root).exists() and not Path(args.root).is_dir():
+        parser.error(f"--root {args.root}: is a file; give the output root folder")
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
     result = harness(args) if args.command == "harness" else loss_scaling(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

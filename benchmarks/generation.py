@@ -102,7 +102,15 @@ def main() -> None:
     parser.add_argument("--regenerated", default=None, help="a regenerated dataset folder (prompts + answers)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "generation.json"))
     args = parser.parse_args()
+    for flag in ("samples", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)}: must be at least 1")
+    if args.regenerated and not (Path(args.regenerated) / "dataset_info.json").is_file():
+        parser.error(f"--regenerated {args.regenerated}: no saved dataset there (a regenerated/<key> folder)")
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
     results = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from pipeline.config.schema import DeepSpeedConfig, TrainingConfig  # noqa: E402
+from pipeline.errors import PipelineError, require  # noqa: E402
 
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark", "dflash2"]
 DEVICE = "cuda"
@@ -42,11 +43,23 @@ SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_laye
                  "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 100000.0}
 
 
-def make_verifier(folder: Path, tokenizer_dir: Path) -> Path:
-    """A random SmolLM2-shaped Llama saved with SmolLM2's tokenizer; peaky init so greedy picks have clear margins."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def load_tokenizer(folder: Path):
+    """The tokenizer in `folder` (--tokenizer). Raises PipelineError naming --tokenizer when the folder is missing or
+    holds no tokenizer transformers can load."""
+    require(folder.is_dir(), f"--tokenizer {folder}: no such folder (give SmolLM2's tokenizer folder)")
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PipelineError(f"--tokenizer {folder}: no tokenizer transformers can load ({first})") from None
+
+
+def make_verifier(folder: Path, tokenizer) -> Path:
+    """A random SmolLM2-shaped Llama saved with SmolLM2's tokenizer; peaky init so greedy picks have clear margins."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(**SMOLLM2_SHAPE, initializer_range=0.05, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -244,6 +257,11 @@ def main() -> int:
     parser.add_argument("--samples", default=32, type=int)
     parser.add_argument("--cpu-dry-run", action="store_true", help="debug the script itself on the CPU (no NCCL)")
     args = parser.parse_args()
+    if args.steps < 2:  # the step time is the median after the first step
+        parser.error(f"--steps {args.steps}: must be at least 2")
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: must be at least 1")
+    tokenizer = load_tokenizer(args.tokenizer)  # before the device check, so bad input is named on any machine
     global DEVICE
     DEVICE = "cpu" if args.cpu_dry_run else "cuda"
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -253,7 +271,7 @@ def main() -> int:
                      "python": platform.python_version(),
                      "bf16_supported": DEVICE == "cuda" and torch.cuda.is_bf16_supported()}
     with tempfile.TemporaryDirectory() as tmp:
-        verifier_path = make_verifier(Path(tmp) / "verifier", args.tokenizer)
+        verifier_path = make_verifier(Path(tmp) / "verifier", tokenizer)
         layer_ids = sorted({i for name in DRAFTERS for i in build(name, verifier_path, "cpu").spec.aux_layer_ids})
         captured: list = []
         run_check(results, "capture", capture_samples, verifier_path, layer_ids, args.samples, captured)
@@ -293,4 +311,8 @@ def by_drafter(sample: dict, name: str, layer_ids: list[int], verifier_path: Pat
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/runner.py run_guarded)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

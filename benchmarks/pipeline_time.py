@@ -9,6 +9,8 @@ output root; the verifier's conversion is cached under ~/.cache/pipeline for bot
 place for both sides: the start and end of each stage's MLflow child run, and the job's from its parent run. Also
 recorded: the machine (CPU model, AVX2 / AVX512-BF16, cores), the held-out pooled tau at the evaluated K, the
 greedy-equivalence result, the vLLM tau gap and whether the gate promoted, so speed is never bought with quality.
+A root that is no finished run (no folder, no MLflow store, no evaluation report), or a --before that names no commit,
+is one line naming the flag, before anything is created.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipeline.errors import PipelineError, require  # noqa: E402
+
 STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 
 
@@ -55,15 +61,29 @@ def run_pipeline(code_dir: Path, root: Path, overrides: list[str]) -> float:
     return time.time() - started
 
 
-def measured(root: Path) -> dict:
-    """Stage and job seconds from the root's MLflow store, and the quality figures of its evaluation."""
+def check_root(root: Path, flag: str) -> None:
+    """Raises PipelineError naming `flag` unless root holds a finished run: its MLflow store and an evaluation
+    report. Reads nothing into MLflow, so a wrong path creates no store."""
+    require(root.is_dir(), f"{flag} {root}: no such folder (give a finished run's paths.root)")
+    require((root / "mlflow" / "mlflow.db").is_file(), f"{flag} {root}: no MLflow store at mlflow/mlflow.db")
+    require(any(root.glob("eval/*/report.json")), f"{flag} {root}: no evaluation report (eval/*/report.json)")
+
+
+def measured(root: Path, flag: str = "--root") -> dict:
+    """Stage and job seconds from the root's MLflow store, and the quality figures of its evaluation. Raises
+    PipelineError naming `flag` when the root is no finished pipeline run (check_root, then its MLflow runs)."""
+    check_root(root, flag)
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("speculators")
+    require(experiment is not None, f"{flag} {root}: its MLflow store has no 'speculators' experiment")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     # the first job on the root is the cold one (a later rerun of the same command reuses every stage)
-    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][0]
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    require(bool(parents) and parents[0].info.end_time is not None,
+            f"{flag} {root}: no finished pipeline job in its MLflow store")
+    parent = parents[0]
     stages = {}
     for run in runs:
         if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id:
@@ -103,18 +123,25 @@ def main() -> None:
     args = parser.parse_args()
     result = {"machine": machine(), "overrides": args.overrides, "note": args.note}
     if args.before_root and args.after_root:
-        before_root, after_root = args.before_root, args.after_root
+        before_root, after_root = args.before_root.expanduser().resolve(), args.after_root.expanduser().resolve()
+        flags = ("--before-root", "--after-root")
+        check_root(before_root, flags[0])
+        check_root(after_root, flags[1])
     elif args.before:
+        known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"], cwd=REPO,
+                               capture_output=True)
+        require(known.returncode == 0, f"--before {args.before}: no such commit in {REPO}")
         scratch = Path(tempfile.mkdtemp(prefix="pipeline-time-"))
         before_code = scratch / "before-code"
         subprocess.run(["git", "worktree", "add", "--detach", str(before_code), args.before], cwd=REPO, check=True)
         before_root, after_root = scratch / "before", scratch / "after"
+        flags = (f"--before {args.before}'s run", "this tree's run")
         result["before_wall_seconds"] = run_pipeline(before_code, before_root, args.overrides)
         result["after_wall_seconds"] = run_pipeline(REPO, after_root, args.overrides)
         subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=REPO, check=False)
     else:
         parser.error("give --before REF, or --before-root and --after-root")
-    result["before"], result["after"] = measured(before_root), measured(after_root)
+    result["before"], result["after"] = measured(before_root, flags[0]), measured(after_root, flags[1])
     result.update(compare(result["before"], result["after"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -122,4 +149,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/runner.py run_guarded)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

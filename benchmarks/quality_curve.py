@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.training import fresh_root, machine_info, write_json  # noqa: E402
+from benchmarks.training import STORE_FOLDERS, fresh_root, machine_info, write_json  # noqa: E402
 
 DRAFTERS = ["peagle", "eagle3"]
 EVAL_SETS = ["held_out", "code", "math", "chat"]
@@ -157,7 +157,7 @@ def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
     served = json.loads((paths.evaluation / "vllm.json").read_text())
     client, run = train_run(cfg)
     metrics = {name: metric_by_step(client, run.info.run_id, name)
-               for name in ("val.tau", "val.alpha1", "val.proxy_tau", "train.loss")}
+               for name in ("val.tau", "val.alpha_pos1", "val.proxy_tau", "train.loss")}
     manifest = load_manifest(paths.store)
     tokens_per_sequence = manifest["num_tokens"] / manifest["num_samples"]
     sequences_per_step = int(cfg.training.num_workers) * int(cfg.training.micro_batch_size) * int(
@@ -251,10 +251,38 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "quality_curve.json"))
     parser.add_argument("--update", action="store_true", help="keep FILE's other drafters")
     args = parser.parse_args()
-    root = Path(args.root).resolve()
-    work = Path(args.work).resolve() if args.work else root / "bench-quality-curve"
+    # Every check before the first drafter's work folder is emptied (fresh_root) or FILE is touched.
+    for flag in ("steps", "points", "prompts_per_set", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.points > args.steps:
+        parser.error(f"--points {args.points}: more checkpoints than --steps {args.steps}")
+    root = Path(args.root).expanduser().resolve()
+    missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
+    if missing or not list(root.glob("stores/*/manifest.json")):
+        parser.error(f"--root {root}: needs the general store (missing {missing or ['stores/*/manifest.json']}); "
+                     f"make it with `python jobs/generate.py experiment=quality_cpu paths.root={root}`")
+    work = Path(args.work).expanduser().resolve() if args.work else root / "bench-quality-curve"
+    for algorithm in args.drafters:  # fresh_root deletes work/<drafter>: never the root or a folder holding it
+        if root.is_relative_to(work / algorithm):
+            parser.error(f"--work {work}: {work / algorithm} would be emptied, and it holds --root {root}")
     out = Path(args.out)
-    result = json.loads(out.read_text()) if args.update and out.is_file() else {}
+    if out.is_dir():
+        parser.error(f"--out {out}: is a folder; give the JSON file to write")
+    try:
+        result = json.loads(out.read_text()) if args.update and out.is_file() else {}
+    except (OSError, ValueError) as error:
+        parser.error(f"--out {out}: --update cannot read it ({type(error).__name__}: {error})")
+    if not isinstance(result, dict) or not isinstance(result.get("drafters", {}), dict):
+        parser.error(f"--out {out}: --update needs an earlier quality_curve JSON object")
+    from pipeline.config import compose
+    from pipeline.errors import PipelineError
+
+    for algorithm in args.drafters:  # a mistyped --override fails here, not in the job after fresh_root
+        try:
+            compose(pipeline_overrides(work / algorithm, algorithm, args))
+        except PipelineError as error:
+            parser.error(f"--override: {error}")
     result.update({"machine": machine_info(), "root": str(root), "eval_sets": EVAL_SETS,
                    "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
                    "ngram": {"prompt_lookup_min": NGRAM[0], "prompt_lookup_max": NGRAM[1]}, "targets": TARGETS})

@@ -1,12 +1,14 @@
 """Bounded load test of the served endpoint (loopback only), with and without the speculator, written as JSON.
 
     python benchmarks/serving.py --root <a finished pipeline run's paths.root> [--clients 32 --requests 64
-        --max-tokens 48 --out benchmarks/results/serving_load.json]
+        --max-tokens 48 --out benchmarks/results/serving_load.json] [Hydra overrides the run was made with]
 
 Serves the root's champion with jobs/serve.py, then the verifier alone (serving.speculative=false), one after the
 other on the same machine, and sends each the same requests (HumanEval prompts the drafter did not train on) from
 `--clients` concurrent clients, greedy. Reports errors, p50/p99 latency, output tokens/s, whether the two answered
-identically, and the served tau (vLLM's counters) against the evaluation's tau.
+identically, and the served tau (vLLM's counters) against the evaluation's tau. The model is the one jobs/serve.py
+serves for the root and the overrides (e.g. `drafter=dflash`): serving.model, else <registered name>@<gate alias>.
+A root without that registered version, its training prompts or its MLflow store is one line naming --root.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from pipeline.errors import PipelineError, require  # noqa: E402
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -60,16 +65,50 @@ async def _load(url: str, model: str, prompts: list[str], clients: int, max_toke
             "output_tokens_per_s": sum(r["tokens"] for r in results) / wall, "texts": [r["text"] for r in results]}
 
 
-def eval_prompts(count: int, root: Path) -> list[str]:
-    """HumanEval prompts outside the root's training split, as completion prompts."""
+def eval_prompts(count: int, cfg) -> list[str]:
+    """HumanEval prompts outside the root's training split (checked by served_target), as completion prompts."""
     import datasets
 
-    from pipeline.config import compose
     from pipeline.data.prompts import load_prompts
+    from pipeline.paths import StagePaths
 
-    trained = set(datasets.load_from_disk(str(next(root.glob("prompts/*/train"))))["sample_id"])
-    rows = [r for r in load_prompts(compose([f"paths.root={root}"]).data) if r["sample_id"] not in trained]
+    trained = set(datasets.load_from_disk(str(StagePaths(cfg).prompts / "train"))["sample_id"])
+    rows = [r for r in load_prompts(cfg.data) if r["sample_id"] not in trained]
     return [r["messages"][-1]["content"] for r in rows[:count]]
+
+
+def served_target(root: Path, overrides: list[str]) -> tuple:
+    """(the composed config, the OpenAI model name jobs/serve.py serves the speculator as, the MLflow client, the
+    registry version served or None for a runs:/ URI) of a finished pipeline root, named the way jobs/serve.py names
+    it (pipeline/serving/job.py). Raises PipelineError naming --root when the root, its training prompts, its local
+    MLflow store or the registered version is missing; creates nothing on the way."""
+    require(root.is_dir(), f"--root {root}: no such folder (give a finished pipeline run's paths.root)")
+    from pipeline.config import compose
+    from pipeline.export.stage import registered_model_name
+    from pipeline.paths import StagePaths
+    from pipeline.serving.job import model_uri
+    from pipeline.serving.registry import MODEL_URI, check_model_uri, served_model_name
+    from pipeline.tracking import mlflow_errors_as, tracking_uri
+
+    cfg = compose([f"paths.root={root}", *overrides])
+    train = StagePaths(cfg).prompts / "train"
+    require(train.is_dir(), f"--root {root}: no training prompts at {train} (run jobs/run_pipeline.py on it first, "
+                            "with the same overrides)")
+    db = root / "mlflow" / "mlflow.db"
+    remote = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    require(bool(remote) or db.is_file(), f"--root {root}: no MLflow store at {db}, so nothing was exported there")
+    uri = model_uri(cfg)
+    check_model_uri(uri)
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    model = MODEL_URI.match(uri)
+    version = None
+    if model:
+        with mlflow_errors_as(f"--root {root}", f"no exported speculator {uri} in its registry"):
+            version = (client.get_model_version_by_alias(model["name"], model["alias"]) if model["alias"]
+                       else client.get_model_version(model["name"], model["version"]))
+    return cfg, served_model_name(uri, registered_model_name(cfg)), client, version
 
 
 def main() -> None:
@@ -79,33 +118,37 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serving_load.json")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides the root's run was made with (drafter=...)")
     args = parser.parse_args()
-
-    import mlflow
+    for flag in ("clients", "requests", "max_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    root = args.root.expanduser().resolve()
+    cfg, model, client, version = served_target(root, args.overrides)
 
     from pipeline.serving.metrics import scrape, served_metrics, spec_decode_counters
     from pipeline.serving.process import free_port, serve_job
 
-    model = "SmolLM2-135M-Instruct-peagle"
-    prompts = eval_prompts(args.requests, args.root)
+    prompts = eval_prompts(args.requests, cfg)
+    require(bool(prompts), f"--root {root}: every HumanEval prompt is in its training split; none left to send")
     results = {}
     with tempfile.TemporaryDirectory() as logs:
         for name, extra in (("speculative", []), ("plain", ["serving.speculative=false"])):
             metrics_port = free_port()
-            overrides = [f"paths.root={args.root}", f"serving.metrics_port={metrics_port}", *extra]
+            overrides = [f"paths.root={root}", *args.overrides, f"serving.metrics_port={metrics_port}", *extra]
             with serve_job(overrides, free_port(), Path(logs) / f"{name}.log") as url:
                 results[name] = asyncio.run(_load(url, model, prompts, args.clients, args.max_tokens))
                 if name == "speculative":
                     time.sleep(15)  # Ray's metrics agent exports every few seconds
                     counters = spec_decode_counters(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), model)
                     results[name]["served"] = served_metrics(counters)
-    client = mlflow.MlflowClient(f"sqlite:///{args.root / 'mlflow' / 'mlflow.db'}")
-    champion = client.get_model_version_by_alias(model, "champion")
     texts = {name: result.pop("texts") for name, result in results.items()}
     summary = {
+        "model": model, "version": version.version if version else None,
         "clients": args.clients, "max_tokens": args.max_tokens, **results,
         "identical_outputs": sum(a == b for a, b in zip(texts["speculative"], texts["plain"])),
-        "evaluated_tau": float(champion.tags["eval.pooled_tau"]),
+        "evaluated_tau": float(version.tags["eval.pooled_tau"])
+        if version and "eval.pooled_tau" in version.tags else None,
         "speculative_over_plain_tokens_per_s": results["speculative"]["output_tokens_per_s"]
         / results["plain"]["output_tokens_per_s"],
     }
@@ -115,4 +158,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/runner.py run_guarded)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

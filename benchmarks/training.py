@@ -320,6 +320,26 @@ def fresh_root(root: Path, target: Path) -> None:
         (target / folder).symlink_to(root / folder, target_is_directory=True)
 
 
+def check_work(root: Path, work: Path, names: list[str]) -> None:
+    """Refuse (SystemExit naming --work) a work folder whose per-run roots, which fresh_root empties, would hold
+    --root itself."""
+    for name in names:
+        if root.is_relative_to(work / name):
+            raise SystemExit(f"--work {work}: {work / name} would be emptied, and it holds --root {root}")
+
+
+def check_overrides(runs: list[list[str]]) -> None:
+    """Compose each run's overrides before any run root is emptied: a mistyped --override is one line naming it."""
+    from pipeline.config import compose
+    from pipeline.errors import PipelineError
+
+    for overrides in runs:
+        try:
+            compose(overrides)
+        except PipelineError as error:
+            raise SystemExit(f"--override: {error}") from None
+
+
 def read_train_run(overrides: list[str], subroot: Path) -> dict:
     """The last train.tokens_per_s (and what came with it) of the newest stage=train run in subroot's MLflow."""
     import mlflow
@@ -355,6 +375,9 @@ def throughput(args) -> dict:
         raise SystemExit(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']}); "
                          f"make one with `python jobs/run_pipeline.py paths.root={root}`")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-training-throughput"
+    check_work(root, work, [f"{drafter}-w{workers}" for drafter in args.drafters for workers in (1, 2)])
+    check_overrides([[f"paths.root={work / f'{drafter}-w1'}", f"drafter={drafter}", *args.override]
+                     for drafter in args.drafters])
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     results = {"machine": machine_info(), "root": str(root), "work": str(work), "steps": args.steps,
                "extra_overrides": args.override, "tokens_per_s_counts": TOKENS_PER_S_COUNTS, "drafters": {}}
@@ -422,6 +445,12 @@ def main() -> None:
     scaling.add_argument("--timeout", type=int, default=3600, help="seconds per jobs/train.py run")
     scaling.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "training_throughput.json"))
     args = parser.parse_args()
+    counts = ("length", "repeats", "num_speculative_tokens") if args.command == "step-time" else ("steps", "timeout")
+    for flag in counts:
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
     result = step_time(args) if args.command == "step-time" else throughput(args)
     out = write_json(result, args.out)
     print(json.dumps(result, indent=2))

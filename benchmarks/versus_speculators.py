@@ -42,7 +42,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.training import STORE_FOLDERS, fresh_root, machine_info, one_line, write_json  # noqa: E402
+from benchmarks.training import (  # noqa: E402
+    STORE_FOLDERS,
+    check_overrides,
+    check_work,
+    fresh_root,
+    machine_info,
+    one_line,
+    write_json,
+)
 
 DRAFTERS = ["peagle", "eagle3", "dflash", "dspark"]
 # vLLM 0.32 on CPU has no DSpark (pipeline.evaluation.vllm_check): both exports are measured by our lossless
@@ -501,7 +509,12 @@ def earlier_result(out: Path, settings: dict) -> dict:
     measured with other settings."""
     if not out.is_file():
         return {}
-    earlier = json.loads(out.read_text())
+    try:
+        earlier = json.loads(out.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--update: {out} cannot be read ({type(error).__name__}: {error})") from None
+    if not isinstance(earlier, dict):
+        raise SystemExit(f"--update: {out} holds no earlier result (a JSON object)")
     differing = [key for key in SETTINGS if earlier.get(key) != settings[key]]
     if differing:
         raise SystemExit(f"--update: {out} was measured with other {differing}; rerun every drafter instead")
@@ -534,12 +547,20 @@ def main() -> None:
     parser.add_argument("--update", action="store_true", help="keep FILE's other drafters' results (measured with "
                         "the same settings) and replace only those of --drafters")
     args = parser.parse_args()
+    for flag in ("steps", "prompts_per_set", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
 
     root = Path(args.root).expanduser().resolve()
     missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
     if missing or not list(root.glob("stores/*/manifest.json")):
         raise SystemExit(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']})")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-versus-speculators"
+    # Before any work folder is emptied (fresh_root): never one holding --root, and overrides that compose.
+    check_work(root, work, [f"ours-{algorithm}" for algorithm in args.drafters])
+    check_overrides([ours_overrides(work / f"ours-{algorithm}", algorithm, args) for algorithm in args.drafters])
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))

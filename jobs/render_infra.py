@@ -32,12 +32,20 @@ def main() -> int:
     shapes = () if args.experiment else CLUSTER_SHAPES
 
     def check() -> None:
-        problems = [problem for path in sorted((args.out / "k8s").glob("*.yaml")) for problem in file_problems(path)]
+        manifests = args.out / "k8s"
+        if not args.out.is_dir():
+            raise PipelineError(f"--out {args.out}: not a folder, so no manifest to check")
+        paths = sorted(manifests.glob("*.yaml"))
+        if not paths:
+            raise PipelineError(f"--out {args.out}: no k8s/*.yaml manifests to check (render them without --check)")
+        problems = [problem for path in paths for problem in file_problems(path)]
         if problems:
             raise PipelineError("manifests: " + "; ".join(problems))
-        print(f"{args.out / 'k8s'}: every manifest is valid (Kubernetes {KUBERNETES_VERSION}, KubeRay ray.io/v1)")
+        print(f"{manifests}: every manifest is valid (Kubernetes {KUBERNETES_VERSION}, KubeRay ray.io/v1)")
 
     def render() -> None:
+        if args.out.exists() and not args.out.is_dir():
+            raise PipelineError(f"--out {args.out}: is a file; give the folder for k8s/ and ray/")
         files = rendered_files(args.overrides, experiments, shapes)
         write(files, args.out)
         for relative in files:

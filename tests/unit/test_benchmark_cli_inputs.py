@@ -1,0 +1,138 @@
+"""Bad input to the benchmark CLIs and to `jobs/render_infra.py --check`: one line naming the flag, a non-zero exit,
+no traceback, and nothing created, emptied or written before the input was checked. No Ray, no training: each
+case fails in its argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check import load_tokenizer
+from benchmarks.serving import served_target
+from pipeline.config import compose
+from pipeline.errors import PipelineError
+from pipeline.paths import StagePaths
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _one_line(result: subprocess.CompletedProcess, expected: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert expected in last, result.stderr
+
+
+def test_serving_names_a_missing_root(tmp_path):
+    missing = tmp_path / "nowhere"
+    _one_line(_cli("benchmarks/serving.py", "--root", str(missing), cwd=tmp_path), f"--root {missing}: no such folder")
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("flag", ["--clients", "--requests", "--max-tokens"])
+def test_serving_refuses_a_count_below_one(tmp_path, flag):
+    _one_line(_cli("benchmarks/serving.py", "--root", str(tmp_path), flag, "0", cwd=tmp_path), f"{flag} 0")
+
+
+def test_serving_names_a_root_without_its_mlflow_store_and_creates_none(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (StagePaths(compose([f"paths.root={tmp_path}"])).prompts / "train").mkdir(parents=True)
+    with pytest.raises(PipelineError, match=r"^--root .*: no MLflow store at .*mlflow\.db"):
+        served_target(tmp_path, [])
+    assert not (tmp_path / "mlflow").exists()
+
+
+def test_serving_names_a_root_without_training_prompts(tmp_path):
+    with pytest.raises(PipelineError, match=r"^--root .*: no training prompts at "):
+        served_target(tmp_path, [])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--before-root", "{missing}", "--after-root", "{missing}"], "--before-root {missing}: no such folder"),
+    (["--before-root", "{empty}", "--after-root", "{empty}"], "--before-root {empty}: no MLflow store"),
+    (["--before", "no-such-ref-anywhere"], "--before no-such-ref-anywhere: no such commit"),
+])
+def test_pipeline_time_checks_the_roots_before_creating_anything(tmp_path, args, expected):
+    missing, empty = tmp_path / "nowhere", tmp_path / "empty"
+    empty.mkdir()
+    names = {"missing": missing, "empty": empty}
+    out = tmp_path / "results" / "pipeline_time.json"
+    result = _cli("benchmarks/pipeline_time.py", *[a.format(**names) for a in args], "--out", str(out),
+                  cwd=tmp_path)
+    _one_line(result, expected.format(**names))
+    assert not missing.exists() and list(empty.iterdir()) == [] and not out.parent.exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--points", "0"], "--points 0: must be at least 1"),
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--steps", "-5"], "--steps -5: must be at least 1"),
+    (["--steps", "4", "--points", "5"], "--points 5: more checkpoints than --steps 4"),
+    (["--prompts-per-set", "0"], "--prompts-per-set 0: must be at least 1"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1: must be at least 1"),
+])
+def test_quality_curve_checks_its_numbers_before_emptying_the_work_folder(tmp_path, args, expected):
+    work = tmp_path / "work"
+    kept = work / "peagle" / "kept.txt"  # fresh_root would delete work/peagle
+    kept.parent.mkdir(parents=True)
+    kept.write_text("still here")
+    result = _cli("benchmarks/quality_curve.py", "--root", str(tmp_path), "--work", str(work), *args, cwd=tmp_path)
+    _one_line(result, expected)
+    assert kept.read_text() == "still here"
+
+
+def test_quality_curve_never_empties_a_work_folder_that_holds_the_root(tmp_path):
+    root = tmp_path / "peagle" / "root"
+    for folder in ("prompts", "regenerated", "stores/key"):
+        (root / folder).mkdir(parents=True)
+    (root / "stores" / "key" / "manifest.json").write_text("{}")
+    result = _cli("benchmarks/quality_curve.py", "--root", str(root), "--work", str(tmp_path), "--drafters", "peagle",
+                  cwd=tmp_path)
+    _one_line(result, f"--work {tmp_path}: {tmp_path / 'peagle'} would be emptied")
+    assert (root / "stores" / "key" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_gpu_check_names_a_bad_tokenizer(tmp_path, kind):
+    folder = tmp_path / "tokenizer"
+    if kind == "file":
+        folder.write_text("not a folder")
+    with pytest.raises(PipelineError, match=rf"^--tokenizer {folder}: no such folder"):
+        load_tokenizer(folder)
+
+
+def _render_infra_main():
+    spec = importlib.util.spec_from_file_location("render_infra", REPO / "jobs" / "render_infra.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize("layout, expected", [
+    ("missing", "not a folder, so no manifest to check"),
+    ("empty", "no k8s/*.yaml manifests to check"),
+    ("k8s_without_yaml", "no k8s/*.yaml manifests to check"),
+])
+def test_render_infra_check_fails_without_manifests(tmp_path, monkeypatch, capsys, layout, expected):
+    out = tmp_path / "infra"
+    if layout != "missing":
+        out.mkdir()
+    if layout == "k8s_without_yaml":
+        (out / "k8s").mkdir()
+        (out / "k8s" / "notes.txt").write_text("no manifest")
+    monkeypatch.setattr(sys, "argv", ["render_infra.py", "--check", "--out", str(out)])
+    assert _render_infra_main()() == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: ") and expected in lines[0]
+    assert out.exists() == (layout != "missing")
