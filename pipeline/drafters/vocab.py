@@ -31,11 +31,21 @@ def most_frequent_tokens(token_streams: Iterable[torch.Tensor], vocab_size: int,
 
 
 def d2t_offsets(draft_token_ids: list[int]) -> torch.Tensor:
+    """The checkpoint's ``d2t``: [N] int64 on the CPU, d2t[i] = draft_token_ids[i] - i, so that target id = draft id
+    + d2t[draft id] (vLLM's and speculators' convention).
+
+    draft_token_ids: the N kept target ids, ascending (most_frequent_tokens' order; draft id i is the i-th). Nothing
+    is checked here: ids out of order give a map ids_from_d2t later refuses (PipelineError). Raises nothing."""
     ids = torch.tensor(draft_token_ids, dtype=torch.long)
     return ids - torch.arange(len(draft_token_ids), dtype=torch.long)
 
 
 def t2d_mask(draft_token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """The checkpoint's ``t2d``: [vocab_size] bool on the CPU, True at each target id in the draft vocabulary.
+
+    draft_token_ids: the N kept target ids (order does not matter here), each in [0, vocab_size); vocab_size: V, the
+    verifier's vocabulary. An id >= vocab_size raises IndexError (a negative one counts from the end, as torch
+    indexing does)."""
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     mask[torch.tensor(draft_token_ids, dtype=torch.long)] = True
     return mask

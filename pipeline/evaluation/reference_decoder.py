@@ -152,8 +152,17 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int,
                        stop_token_ids: Collection[int]) -> list[tuple[list[int], AcceptanceCounts]]:
-        """(new tokens, AcceptanceCounts) for each prompt, decoded together. A sequence ends after max_new_tokens
-        or at its first token in stop_token_ids (generation.verifier.stop_token_ids: every id vLLM stops on)."""
+        """(new tokens, AcceptanceCounts) for each prompt, in prompt order, decoded together: one batched verifier
+        forward per step, the drafter per sequence.
+
+        prompts: B non-empty lists of the verifier's token ids (different lengths are fine). max_new_tokens: the most
+        tokens a sequence keeps. stop_token_ids: the ids that end a sequence, usually
+        `pipeline.verifier.verifier_stop_token_ids` (every id vLLM stops on). Returns per prompt its new token ids
+        (list[int], at most max_new_tokens, cut after the first stop id, which is kept) and the AcceptanceCounts of
+        its verify steps (K = num_speculative_tokens drafts proposed per step, fewer where DSpark truncates). The
+        verifier runs in its own dtype on its device, its features go to the drafter as float32 [1, T, A*H]. A
+        sliding-window verifier decodes the prompts one at a time. Raises nothing of its own; a token id outside the
+        verifier's vocabulary, or an empty prompt, fails in torch (IndexError / RuntimeError)."""
         if len(prompts) > 1 and uses_sliding_window(self.verifier.config):
             # a batch leaves masked slots inside the window of sliding-window layers: decode one prompt at a time
             return [self.generate_batch([prompt], max_new_tokens, stop_token_ids)[0] for prompt in prompts]

@@ -17,10 +17,22 @@ import torch
 
 
 def verifier_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The verifier's sampling distribution softmax(logits / temperature) over the last dim.
+
+    logits: [..., V] (any float dtype, any device); returns float32 probabilities of the same shape and device,
+    each row summing to 1. temperature: > 0; greedy decoding (temperature 0) takes the argmax and never calls this.
+    Raises ValueError for a temperature that is not > 0 (0, negative or NaN), which would divide by zero or flip
+    the distribution.
+    """
+    if not temperature > 0:
+        raise ValueError(f"verifier_probs: temperature must be > 0 (0 is greedy: take the argmax), got {temperature}")
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 def one_hot_probs(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """q for greedy drafts: [len(tokens), vocab_size] float32 on the CPU, 1.0 at each row's token, 0 elsewhere.
+    tokens: ids in [0, vocab_size); one >= vocab_size raises IndexError (a negative one counts from the end, as
+    torch indexing does)."""
     q = torch.zeros(len(tokens), vocab_size)
     q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
     return q
@@ -28,10 +40,12 @@ def one_hot_probs(tokens: list[int], vocab_size: int) -> torch.Tensor:
 
 def rejection_sample(p: torch.Tensor, drafts: list[int], q: Optional[torch.Tensor],
                      generator: torch.Generator) -> tuple[int, int]:
-    """(accepted drafts, the token emitted after them).
+    """(accepted drafts in [0, len(drafts)], the token emitted after them).
 
     p: [len(drafts) + 1, V] verifier probabilities at each draft position and one past the last;
-    q: [len(drafts), V] drafter probabilities of the drafts (None = one-hot, i.e. greedy drafts).
+    q: [len(drafts), V] drafter probabilities of the drafts (None = one-hot, i.e. greedy drafts). Any float dtype
+    and device: both are compared in float64 on the CPU. drafts: token ids in [0, V). generator: a CPU
+    torch.Generator, the only source of randomness (a seeded one makes the result reproducible).
     """
     p = p.double().cpu()
     q = one_hot_probs(drafts, p.shape[-1]).double() if q is None else q.double().cpu()

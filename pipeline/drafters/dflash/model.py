@@ -156,12 +156,21 @@ class DFlashDrafter(DrafterBase):
         return {"model_type": "qwen3", **values, "attention_bias": False, "tie_word_embeddings": False}
 
     def context_states(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The fused context state of each position: aux [.., A*H] (the A aux layers' features concatenated, in the
+        drafter's parameter dtype) -> hidden_norm(fc(aux)) [.., H], same dtype and device. A last dim other than A*H
+        raises RuntimeError (torch's shape mismatch)."""
         return self.hidden_norm(self.fc(aux_hidden))
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
                 anchor_valid: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, A*H] (positions 0..T-1), input_ids [B, >= max anchor + 1], anchors/valid [B, N]
-        -> normed hidden [B, N*bs, H] of every block slot."""
+        """Denoise N blocks per row in one forward: normed hidden [B, N*bs, H] of every block slot, block-major
+        (slots of anchor n at n*bs .. n*bs + bs - 1), in aux_hidden's dtype, on its device.
+
+        aux_hidden: [B, T, A*H] float, the context's fused-layer features at positions 0..T-1 (the drafter's
+        parameter dtype: fc and the layers run in it). input_ids: [B, >= max anchor + 1] int64 target ids (the
+        anchor token is read at each anchor position). anchors: [B, N] int64 positions, each block starting at its
+        anchor; anchor_valid: [B, N] bool (False = padding, never attended to). bs = self.block_size. Shapes that do
+        not agree raise RuntimeError; an anchor >= input_ids.shape[1] raises RuntimeError (gather out of range)."""
         batch, context_length = aux_hidden.shape[:2]
         bs = self.block_size
         anchor_tokens = torch.gather(input_ids, 1, anchors)  # [B, N]
@@ -181,26 +190,38 @@ class DFlashDrafter(DrafterBase):
         return self.norm(x)
 
     def logit_bias(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
-        """[.., Vd] correction of the head's logits from the previous tokens [..] (DSpark); DFlash has none."""
+        """[.., Vd] correction of the head's logits from the previous tokens [..] (int64 target ids; DSpark's Markov
+        bias, in the drafter's dtype); DFlash has none and returns None. Raises nothing here."""
         return None
 
     def correct_logits(self, logits: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """logits [.., Vd] (draft vocabulary) plus logit_bias(previous_tokens [..], int64 target ids), the bias cast
+        to logits' dtype; the same tensor, unchanged, for a drafter without a bias (DFlash). Shapes that do not
+        broadcast raise RuntimeError."""
         bias = self.logit_bias(previous_tokens)
         return logits if bias is None else logits + bias.to(logits.dtype)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the slots that draft: [.., bs, H] -> [.., K, Vd]."""
+        """Draft-vocabulary logits of the slots that draft: hidden [.., bs, H] -> [.., K, Vd] in the LM head's dtype
+        (K = spec.num_speculative_tokens: DFlash skips slot 0, the known anchor; DSpark drafts from every slot).
+        Uncorrected: correct_logits adds DSpark's Markov bias. A last dim other than H raises RuntimeError."""
         return self.lm_head(hidden[..., self.first_draft_slot:, :])
 
     def block_after_context(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """Normed hidden [bs, H] of the one block that follows the context: aux [1, T, A*H], next_ids [1, T]
-        (its last entry is token T, the anchor)."""
+        """Normed hidden [bs, H] of the one block that follows the context, in aux_hidden's dtype and device.
+
+        aux_hidden: [1, T, A*H] float, features of positions 0..T-1 (the drafter's parameter dtype); next_ids:
+        [1, T] int64, next_ids[0, t] = token t + 1 (so its last entry is token T, the block's anchor). A batch of
+        one only; other shapes raise RuntimeError."""
         input_ids = torch.cat([next_ids[:, :1], next_ids], dim=1)  # token t at index t (index 0 unused)
         anchors = torch.tensor([[aux_hidden.shape[1]]], device=aux_hidden.device)
         return self.forward(aux_hidden, input_ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        """Greedy drafts for one sequence in one forward: [min(num_speculative_tokens, K)] int64 target ids (the
+        verifier's vocabulary; d2t applied), on the drafter's device. aux_hidden [1, T, A*H] and next_ids [1, T] as
+        block_after_context takes them; K = spec.num_speculative_tokens caps the count. No gradient."""
         hidden = self.block_after_context(aux_hidden, next_ids)
         return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_speculative_tokens]
 
