@@ -326,7 +326,8 @@ class VllmEvalConfig:
     check_lossless: bool = False
     # A greedy vLLM output that leaves the reference's where the verifier's logit margin between the two tokens is
     # within this many rounding steps of verifier.compute_dtype (at the winning logit's magnitude) is numerics;
-    # any other divergence is a fault and the gate refuses (pipeline/evaluation/divergence.py).
+    # any other divergence is a fault and the gate refuses (pipeline/evaluation/divergence.py). The reference
+    # decoder's own greedy check (evaluation.check_greedy_equivalence) takes a near-tie the same way.
     near_tie_steps: float = 4.0
     timeout_s: int = run_setting(1800)
     max_model_len: int = 2048

@@ -8,6 +8,7 @@ metric spec's :class:`AcceptanceCounts`. Several prompts decode together: one ba
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Collection, Optional
@@ -19,6 +20,8 @@ from pipeline.evaluation.sampling import rejection_sample, verifier_probs
 from pipeline.families import uses_sliding_window
 from pipeline.metrics import AcceptanceCounts
 from pipeline.verifier import cut_after_stop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -230,13 +233,16 @@ def verifier_greedy(verifier: Any, prompt: list[int], max_new_tokens: int,
 
 @torch.no_grad()
 def greedy_mismatches(verifier: Any, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
-                      stop_token_ids: Collection[int], batch_size: int = 8) -> list[int]:
+                      stop_token_ids: Collection[int], batch_size: int = 8, near_tie_steps: float = 0.0) -> list[int]:
     """Indices of the outputs that greedy decoding would not produce, checked in one teacher-forced forward.
 
     An output equals ``verifier.generate(do_sample=False)`` exactly when every output token is the verifier's argmax
     after the prompt and the output tokens before it, and it ends where greedy decoding ends: at the first
     stop token (stop_token_ids) or after ``max_new_tokens``. One forward over prompt + output checks all of that at
     once, so the lossless check costs a prefill per request instead of a second decode. prompts/outputs: token ids.
+    An output token that is not the argmax but whose logit lies within `near_tie_steps` rounding steps of the
+    dtype the verifier computes in (at the winning logit's magnitude; pipeline/evaluation/divergence.py) is a
+    near-tie the decoder's other kernel shapes may flip, not a fault: the same rule vLLM's output is judged by.
     """
     failed = []
     for start in range(0, len(prompts), batch_size):
@@ -251,9 +257,32 @@ def greedy_mismatches(verifier: Any, prompts: list[list[int]], outputs: list[lis
         greedy = logits.argmax(dim=-1).cpu()  # [B, width]: the argmax after each prefix
         for offset, (prompt, output) in enumerate(zip(prompts[start:start + batch_size],
                                                       outputs[start:start + batch_size])):
-            if not _is_greedy_output(greedy[offset], len(prompt), output, max_new_tokens, stop_token_ids):
+            near_tie_greedy = _with_near_ties(greedy[offset], logits[offset], len(prompt), output, near_tie_steps)
+            if not _is_greedy_output(near_tie_greedy, len(prompt), output, max_new_tokens, stop_token_ids):
                 failed.append(start + offset)
     return failed
+
+
+def _with_near_ties(greedy: torch.Tensor, logits: torch.Tensor, prompt_length: int, output: list[int],
+                    near_tie_steps: float) -> torch.Tensor:
+    """greedy [width] with each output position whose token is within near_tie_steps rounding steps of the argmax's
+    logit (logits [width, V], the verifier's dtype) taken as that token: a near-tie counts as greedy."""
+    from pipeline.evaluation.divergence import rounding_step
+
+    if near_tie_steps <= 0 or not output:
+        return greedy
+    accepted = greedy.clone()
+    for index, token in enumerate(output):
+        position = prompt_length - 1 + index
+        if position >= len(greedy) or int(greedy[position]) == token:
+            continue
+        row = logits[position]
+        best, chosen = float(row.max()), float(row[token])
+        if best - chosen <= near_tie_steps * rounding_step(row.dtype, best):
+            log.info("greedy check: output token %d at position %d is a near-tie with the argmax %d (margin %.3g)",
+                     token, index, int(greedy[position]), best - chosen)
+            accepted[position] = token
+    return accepted
 
 
 def _is_greedy_output(greedy: torch.Tensor, prompt_length: int, output: list[int], max_new_tokens: int,

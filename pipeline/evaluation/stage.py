@@ -68,7 +68,7 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
     if check_equivalence:  # one teacher-forced forward per request, not a second decode
         started = time.perf_counter()
         mismatches = greedy_mismatches(verifier, prompts, outputs, eval_cfg.max_new_tokens, stops,
-                                       eval_cfg.batch_size)
+                                       eval_cfg.batch_size, eval_cfg.vllm.near_tie_steps)
         check_seconds = time.perf_counter() - started
     return {
         **summarize(counts),

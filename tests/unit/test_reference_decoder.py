@@ -175,3 +175,32 @@ def test_the_teacher_forced_check_accepts_greedy_outputs_and_flags_every_kind_of
     stop = outputs[0][first_new]
     assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 1]], 16, (stop,)) == []
     assert greedy_mismatches(verifier, prompts[:1], [outputs[0][:first_new + 2]], 16, (stop,)) == [0]
+
+
+class _FixedLogits(torch.nn.Module):
+    """A verifier whose next-token logits are the same row at every position: token 2 wins over token 1 by
+    `margin` at a logit of 28 (fp32's rounding step there is 2**-19, about 1.9e-6)."""
+
+    def __init__(self, margin: float):
+        super().__init__()
+        self.row = torch.tensor([0.0, 28.0 - margin, 28.0, 1.0])
+
+    def forward(self, input_ids, attention_mask=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.row.expand(*input_ids.shape, 4).clone())
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+
+@pytest.mark.parametrize("margin, steps, faults", [
+    (1.9e-6, 4.0, []),  # one rounding step: numerics another kernel shape may flip (the gemma4 tiny verifier's)
+    (1.9e-6, 0.0, [0]),  # no tolerance: any token but the argmax is a fault
+    (0.5, 4.0, [0]),  # far from a tie: a wrong token, a lossless fault
+])
+def test_a_near_tie_with_the_argmax_is_numerics_and_anything_else_a_fault(margin, steps, faults):
+    verifier = _FixedLogits(margin)
+    # prompt [0], output [1, 2, 2]: the first output token is the runner-up, then the argmax twice (no stop id)
+    assert greedy_mismatches(verifier, [[0]], [[1, 2, 2]], 3, (3,), near_tie_steps=steps) == faults
