@@ -66,14 +66,16 @@ async def _load(url: str, model: str, prompts: list[str], clients: int, max_toke
 
 
 def eval_prompts(count: int, cfg) -> list[str]:
-    """HumanEval prompts outside the root's training split (checked by served_target), as completion prompts."""
+    """HumanEval prompts (offline, whatever the run's own data) outside the root's training split (checked by
+    served_target), as completion prompts."""
     import datasets
 
+    from pipeline.config import compose
     from pipeline.data.prompts import load_prompts
     from pipeline.paths import StagePaths
 
     trained = set(datasets.load_from_disk(str(StagePaths(cfg).prompts / "train"))["sample_id"])
-    rows = [r for r in load_prompts(cfg.data) if r["sample_id"] not in trained]
+    rows = [r for r in load_prompts(compose(["data=humaneval"]).data) if r["sample_id"] not in trained]
     return [r["messages"][-1]["content"] for r in rows[:count]]
 
 

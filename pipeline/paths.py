@@ -73,12 +73,13 @@ def _drafter_class(name: str) -> type[DrafterBase]:
 
 
 def _val_tau_decoding(cfg: DictConfig, drafter_class: type[DrafterBase]) -> list[dict]:
-    """How val.tau decodes, when training measures it (training.val_tau_samples > 0): the evaluation's K and the
-    drafter's decoding options. They change the logged val.tau and so the checkpoint select_best_by picks; [] (the
-    key as before) when val.tau is off."""
-    if cfg.training.val_tau_samples <= 0:
+    """How val.tau decodes when it picks the final checkpoint (training.select_best_by=val.tau): the evaluation's K,
+    batch and the drafter's decoding options change val.tau and so the checkpoint picked. [] otherwise: val.tau is
+    then only logged, and the training's key is as without it."""
+    if cfg.training.select_best_by != "val.tau" or cfg.training.val_tau_samples <= 0:
         return []
     return [{"val_tau_decoding": {"num_speculative_tokens": cfg.evaluation.num_speculative_tokens,
+                                  "batch_size": cfg.evaluation.batch_size,
                                   **drafter_class.evaluated_extra(cfg.evaluation)}}]
 
 
@@ -121,7 +122,9 @@ class StagePaths:
         measured = {k: v for k, v in result_settings(cfg.evaluation, EvaluationConfig).items() if k != "gate"}
         # A decoding option counts only for a drafter that decodes with it (DSpark's confidence threshold).
         measured.pop("confidence_threshold", None)
-        measured["decoding"] = drafter_class.evaluated_extra(cfg.evaluation)
+        decoding = drafter_class.evaluated_extra(cfg.evaluation)
+        if decoding:
+            measured["decoding"] = decoding
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
         measured["sets"] = {name: measured["sets"][name] for name in cfg.evaluation.datasets
                             if name in measured["sets"]}

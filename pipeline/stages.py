@@ -89,6 +89,7 @@ def _export(ctx: Context, results: dict, run_id: str) -> Any:
         "lineage.regenerated_key": ctx.paths.regenerated_key,
         "lineage.store_key": ctx.paths.store_key,
         "lineage.train_key": ctx.paths.train_key,
+        "lineage.evaluation_key": ctx.paths.evaluation_key,  # also the export folder's (paths.export)
         "lineage.parent_run_id": results.get("_parent_run_id", ""),
     }
     return stage.run(ctx, _final_checkpoint(ctx, results), report, run_id, lineage)

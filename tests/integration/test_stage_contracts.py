@@ -140,6 +140,7 @@ def test_export_contract_and_registry_link(chain):
     version = client(cfg).get_model_version(exported["registered_model"], exported["version"])
     assert version.run_id == _child_runs(cfg)["export"].info.run_id
     assert version.tags["lineage.store_key"] == paths.store_key
+    assert version.tags["lineage.evaluation_key"] == paths.evaluation_key == paths.export.name
     assert version.tags["lineage.parent_run_id"] == results["_parent_run_id"]
     # sealed after the card: every file a server downloads is in the integrity record, the card too
     from pipeline.integrity import verify

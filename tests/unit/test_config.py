@@ -254,11 +254,14 @@ def test_two_evaluations_of_one_checkpoint_export_to_two_folders():
 
 
 def test_how_val_tau_decodes_keys_the_training_that_measures_it():
-    """With val.tau on, the evaluation's K (and DSpark's threshold) change the logged val.tau and the checkpoint
-    select_best_by picks: another value is another run. With it off they change no training."""
+    """When val.tau picks the final checkpoint, the evaluation's K (and DSpark's threshold) change which one: another
+    value is another run. Only logged (select_best_by=val.proxy_tau) or off, they change no training."""
     from pipeline.paths import StagePaths
 
-    val_tau = ["training.val_samples=4", "training.val_tau_samples=2"]
+    val_tau = ["training.val_samples=4", "training.val_tau_samples=2", "training.select_best_by=val.tau"]
+    logged = StagePaths(compose(["training.val_samples=4", "training.val_tau_samples=2"]))
+    assert StagePaths(compose(["training.val_samples=4", "training.val_tau_samples=2",
+                               "evaluation.num_speculative_tokens=2"])).train == logged.train
     for drafter, options in (("peagle", ["evaluation.num_speculative_tokens=2"]),
                              ("dspark", ["evaluation.confidence_threshold=0.6"])):
         base = StagePaths(compose([f"drafter={drafter}", *val_tau]))
