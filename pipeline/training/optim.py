@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from pipeline.config.schema import LrSchedule, TrainingConfig
+from pipeline.drafters.base import DrafterBase
 
 LR_SCHEDULES = tuple(schedule.value for schedule in LrSchedule)
 
@@ -52,9 +53,10 @@ def torch_optimizers(model: torch.nn.Module, training: TrainingConfig) -> list[t
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if training.optimizer == "adamw":
         return [torch.optim.AdamW([p for _, p in named], lr=training.lr, weight_decay=training.weight_decay)]
-    vocabulary = tuple(getattr(model, "vocabulary_matrices", ("embed_tokens", "lm_head")))
-    matrices = [p for name, p in named if is_muon_matrix(name, p, vocabulary)]
-    rest = [p for name, p in named if not is_muon_matrix(name, p, vocabulary)]
+    vocabulary = tuple(getattr(model, "vocabulary_matrices", DrafterBase.vocabulary_matrices))
+    on_muon = [is_muon_matrix(name, p, vocabulary) for name, p in named]
+    matrices = [p for (_, p), muon in zip(named, on_muon) if muon]
+    rest = [p for (_, p), muon in zip(named, on_muon) if not muon]
     optimizers: list[torch.optim.Optimizer] = []
     if matrices:
         optimizers.append(torch.optim.Muon(matrices, lr=training.muon_lr, momentum=training.muon_momentum,
