@@ -30,7 +30,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.training import STORE_FOLDERS, fresh_root, machine_info, write_json  # noqa: E402
+from benchmarks.training import (  # noqa: E402
+    STORE_FOLDERS,
+    check_overrides,
+    check_work,
+    fresh_root,
+    machine_info,
+    write_json,
+)
 
 DRAFTERS = ["peagle", "eagle3"]
 EVAL_SETS = ["held_out", "code", "math", "chat"]
@@ -263,9 +270,7 @@ def main() -> None:
         parser.error(f"--root {root}: needs the general store (missing {missing or ['stores/*/manifest.json']}); "
                      f"make it with `python jobs/generate.py experiment=quality_cpu paths.root={root}`")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-quality-curve"
-    for algorithm in args.drafters:  # fresh_root deletes work/<drafter>: never the root or a folder holding it
-        if root.is_relative_to(work / algorithm):
-            parser.error(f"--work {work}: {work / algorithm} would be emptied, and it holds --root {root}")
+    check_work(root, work, args.drafters)  # fresh_root empties work/<drafter>: never the root or a folder holding it
     out = Path(args.out)
     if out.is_dir():
         parser.error(f"--out {out}: is a folder; give the JSON file to write")
@@ -275,14 +280,8 @@ def main() -> None:
         parser.error(f"--out {out}: --update cannot read it ({type(error).__name__}: {error})")
     if not isinstance(result, dict) or not isinstance(result.get("drafters", {}), dict):
         parser.error(f"--out {out}: --update needs an earlier quality_curve JSON object")
-    from pipeline.config import compose
-    from pipeline.errors import PipelineError
-
-    for algorithm in args.drafters:  # a mistyped --override fails here, not in the job after fresh_root
-        try:
-            compose(pipeline_overrides(work / algorithm, algorithm, args))
-        except PipelineError as error:
-            parser.error(f"--override: {error}")
+    # a mistyped --override fails here, not in the job after fresh_root
+    check_overrides([pipeline_overrides(work / algorithm, algorithm, args) for algorithm in args.drafters])
     result.update({"machine": machine_info(), "root": str(root), "eval_sets": EVAL_SETS,
                    "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
                    "ngram": {"prompt_lookup_min": NGRAM[0], "prompt_lookup_max": NGRAM[1]}, "targets": TARGETS})
