@@ -56,6 +56,12 @@ def rounding_step(dtype: torch.dtype, magnitude: float) -> float:
     return info.eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
+def near_tie_tolerance(dtype: torch.dtype, winning_logit: float, near_tie_steps: float) -> float:
+    """The largest logit margin (logit units) that is still numerics: near_tie_steps rounding steps of `dtype` at the
+    winning logit's magnitude. A token that far or less below the winner may have been flipped by rounding."""
+    return near_tie_steps * rounding_step(dtype, winning_logit)
+
+
 @torch.no_grad()
 def next_token_logits(verifier, prefix: Sequence[int]) -> torch.Tensor:
     """The verifier's logits [vocab] (float32) for the token after `prefix` (token ids, prompt + generated)."""
@@ -84,7 +90,7 @@ def judge(verifier, dtype: torch.dtype, requests: list[dict], vllm_tokens: list[
         logits = next_token_logits(verifier, list(request["prompt_ids"]) + list(ours[:position]))
         reference_logit = float(logits[ours[position]])
         margin = reference_logit - float(logits[theirs[position]])
-        tolerance = near_tie_steps * rounding_step(dtype, reference_logit)
+        tolerance = near_tie_tolerance(dtype, reference_logit, near_tie_steps)
         found.append(Divergence(index, position, ours[position], theirs[position], margin, tolerance,
                                 margin <= tolerance))
     return found

@@ -267,7 +267,7 @@ def _with_near_ties(greedy: torch.Tensor, logits: torch.Tensor, prompt_length: i
                     near_tie_steps: float) -> torch.Tensor:
     """greedy [width] with each output position whose token is within near_tie_steps rounding steps of the argmax's
     logit (logits [width, V], the verifier's dtype) taken as that token: a near-tie counts as greedy."""
-    from pipeline.evaluation.divergence import rounding_step
+    from pipeline.evaluation.divergence import near_tie_tolerance
 
     if near_tie_steps <= 0 or not output:
         return greedy
@@ -278,7 +278,7 @@ def _with_near_ties(greedy: torch.Tensor, logits: torch.Tensor, prompt_length: i
             continue
         row = logits[position]
         best, chosen = float(row.max()), float(row[token])
-        if best - chosen <= near_tie_steps * rounding_step(row.dtype, best):
+        if best - chosen <= near_tie_tolerance(row.dtype, best, near_tie_steps):
             log.info("greedy check: output token %d at position %d is a near-tie with the argmax %d (margin %.3g)",
                      token, index, int(greedy[position]), best - chosen)
             accepted[position] = token
