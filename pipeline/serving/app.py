@@ -23,14 +23,14 @@ IMPORT_PATH = "pipeline.serving.app:build_app"
 
 
 def llm_config(serving: Any, served_name: str, verifier_path: str) -> dict:
-    """A `ray.serve.llm.LLMConfig` as a plain dict (it goes into a YAML file as is), without the speculator:
-    `build_app` adds its `speculative_config` once the speculator is resolved."""
+    """A `ray.serve.llm.LLMConfig` as a plain dict (it goes into a YAML file as is), without the speculator and
+    without the options the verifier's family needs: `build_app` adds both where the app is built (`verifier_path`
+    may be a hub id that only the cluster can read; a RayService manifest is rendered offline)."""
     engine: dict[str, Any] = {"max_model_len": serving.max_model_len, "dtype": serving.dtype,
                               "tensor_parallel_size": serving.tensor_parallel_size,
                               "gpu_memory_utilization": serving.memory_fraction}
     if serving.accelerator == "cpu":
         engine["enforce_eager"] = True
-    engine.update(vllm_engine_options(verifier_path))
     engine.update(dict(serving.engine_kwargs))
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": served_name, "model_source": verifier_path},
@@ -73,6 +73,14 @@ def serve_config(serving: Any, llm: dict, speculator: Optional[dict]) -> dict:
     }
 
 
+def with_family_options(llm: dict) -> dict:
+    """The LLM config with the engine options its verifier's family needs (`vllm_engine_options`: a multimodal
+    verifier served as its text model), read from the verifier's config where the app is built; an engine option
+    the config already sets (serving.engine_kwargs) is kept."""
+    family = vllm_engine_options(str(llm["model_loading_config"]["model_source"]))
+    return {**llm, "engine_kwargs": {**family, **llm["engine_kwargs"]}}
+
+
 def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     """The LLM config with the resolved speculator's `speculative_config`; downloads it on first use."""
     from pipeline.tracking import client_for
@@ -99,7 +107,7 @@ def build_app(args: dict) -> Any:
 
     from pipeline.serving.guard import RequestGuard
 
-    llm = args["llm_config"]
+    llm = with_family_options(args["llm_config"])
     if args.get("speculator"):
         llm, resolved = with_speculator(llm, args["speculator"])
         logging.getLogger(__name__).info("serve: %s -> %s (%s, K=%d)", resolved.uri, resolved.local_dir,

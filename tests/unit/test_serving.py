@@ -13,7 +13,7 @@ import yaml
 from pipeline.config import compose, validate
 from pipeline.errors import PipelineError
 from pipeline.integrity import seal
-from pipeline.serving.app import IMPORT_PATH, llm_config, speculator_source, with_speculator
+from pipeline.serving.app import IMPORT_PATH, llm_config, speculator_source, with_family_options, with_speculator
 from pipeline.serving.guard import RequestGuard, request_problem
 from pipeline.serving.job import serve_config_for
 from pipeline.serving.metrics import served_metrics, spec_decode_counters
@@ -102,6 +102,32 @@ def test_serve_config_comes_from_the_hydra_config(tmp_path):
     gpu = llm_config(compose(["serving=a100", "serving.tensor_parallel_size=2"]).serving, "m", "/v")
     assert gpu["accelerator_type"] == "A100" and gpu["engine_kwargs"]["tensor_parallel_size"] == 2
     assert "accelerator_config" not in gpu
+
+
+def test_the_serve_config_reads_no_verifier_and_the_app_adds_its_familys_options_where_it_is_built(tmp_path,
+                                                                                                   monkeypatch):
+    """A RayService manifest is rendered where the verifier's hub id cannot be read: the config names the verifier
+    only. The app adds the family's engine options from the verifier's own config where it is built; an engine
+    option the config sets wins."""
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Serve config read the verifier's config")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    config = serve_config_for(compose(["experiment=gemma4_31b_dspark"]), "google/gemma-4-31B-it", None)
+    llm = config["applications"][0]["args"]["llm_config"]
+    assert "hf_overrides" not in llm["engine_kwargs"] and "language_model_only" not in llm["engine_kwargs"]
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": {
+        "model_type": "gemma4_text"}, "vision_config": {}, "architectures": ["Gemma4ForConditionalGeneration"]}))
+    local = llm_config(compose([]).serving, "m", str(verifier))
+    assert with_family_options(local)["engine_kwargs"]["hf_overrides"] == {"architectures": ["Gemma4ForCausalLM"]}
+    assert with_family_options(local)["engine_kwargs"]["max_model_len"] == local["engine_kwargs"]["max_model_len"]
+    pinned = llm_config(compose(["+serving.engine_kwargs.hf_overrides={architectures: [Mine]}"]).serving, "m",
+                        str(verifier))
+    assert with_family_options(pinned)["engine_kwargs"]["hf_overrides"] == {"architectures": ["Mine"]}
 
 
 def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
