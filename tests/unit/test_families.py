@@ -33,12 +33,10 @@ def tiny_verifier_cfg(family: str, cache: Path):
 
 
 @pytest.fixture(scope="module")
-def tiny_family_paths(tmp_path_factory):
-    """Both tiny families built once through verifier.tiny, as a job resolves them."""
-    from pipeline.verifier import resolve_verifier_path
-
-    cache = tmp_path_factory.mktemp("verifiers")
-    return {family: resolve_verifier_path(tiny_verifier_cfg(family, cache)) for family in TINY_FAMILIES}
+def tiny_family_paths(tiny_family_path):
+    """Every tiny family resolved through verifier.tiny as a job resolves it (tests/conftest.py): built on this
+    machine's first use, under verifier.cache_dir, then reused by every test and job."""
+    return {family: tiny_family_path(family) for family in TINY_FAMILIES}
 
 
 def test_an_unknown_family_is_refused_by_its_model_type():
