@@ -87,6 +87,20 @@ def ray_local():
     ray.shutdown()
 
 
+def go_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hub, as a user's HF_HUB_OFFLINE=1 gives: the variables, and the flags huggingface_hub and datasets read
+    from them when first imported (another test has imported them by now; without the flags each hub call is
+    retried for about 20 s before it fails)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

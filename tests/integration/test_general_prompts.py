@@ -9,6 +9,7 @@ from pipeline.config import compose
 from pipeline.data.prompts import load_prompts
 from pipeline.data.synthesize import PromptWriter
 from pipeline.evaluation.eval_sets import eval_sets
+from tests.conftest import go_offline
 
 # Two domains, one batch each: the mechanism at a fraction of the default's 3 x 800 requests.
 SMALL = ["data.source=general", "data.synthetic.domains=[code,chat]", "data.synthetic.per_domain=6",
@@ -24,7 +25,7 @@ def writer(cfg, smollm2_path: str, cache_root) -> PromptWriter:
 def general(tmp_path_factory, smollm2_path, ray_local):
     cfg = compose(SMALL)
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub: everything comes from packages and the verifier
+    go_offline(monkeypatch)  # no hub: everything comes from packages and the verifier
     try:
         first = load_prompts(cfg.data, writer(cfg, smollm2_path, tmp_path_factory.mktemp("a")))
         second = load_prompts(cfg.data, writer(cfg, smollm2_path, tmp_path_factory.mktemp("b")))

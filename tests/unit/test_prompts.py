@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from pipeline.data.chat import prompt_messages, tokenize_conversation
 from pipeline.data.prompts import load_prompts, split_prompts
 from pipeline.errors import PipelineError
+from tests.conftest import go_offline
 
 
 def data_cfg(**overrides):
@@ -180,8 +181,7 @@ def test_an_empty_conversation_with_a_system_prompt_is_skipped_not_a_crash(tmp_p
 def test_a_hub_dataset_that_cannot_load_is_one_line_naming_it(monkeypatch):
     """Offline (as here: hubs are unreachable) or a dataset id that does not exist: the field and the id, not the
     hub client's traceback."""
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    go_offline(monkeypatch)
     with pytest.raises(PipelineError, match=r"data\.path: cannot load hub dataset 'no-such-org/no-such-set'") as error:
         load_prompts(OmegaConf.create(vars(data_cfg(source="hub", path="no-such-org/no-such-set", subset=None))))
     assert "\n" not in str(error.value)
