@@ -1,5 +1,6 @@
 """Training that survives: the job killed and rerun continues the same loss curve, a lost worker is replaced from
-the last checkpoint, and a checkpoint of 2 workers continues on 1 (DeepSpeed's universal checkpoint)."""
+the last checkpoint, and a checkpoint of 2 workers continues on 1 (DeepSpeed's universal checkpoint). ZeRO-3 follows
+the single-worker loss curve, and its checkpoints' val.tau is the reference decoder's tau on them."""
 
 from __future__ import annotations
 
