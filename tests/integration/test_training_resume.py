@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.config import compose
 from pipeline.errors import PipelineError
+from pipeline.integrity import is_intact
 from pipeline.paths import StagePaths
 from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
@@ -65,8 +66,11 @@ def resumed_from(cfg) -> list[float]:
 
 
 def checkpoint_steps(cfg) -> list[int]:
-    folders = Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*/train_state.json")
-    return sorted(json.loads(p.read_text())["step"] for p in folders)
+    """Steps of the checkpoints Ray Train has finished copying into storage: one it is still copying fails its
+    integrity check (its train_state.json may be there but empty)."""
+    folders = [p.parent for p in Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*/train_state.json")]
+    return sorted(json.loads((folder / "train_state.json").read_text())["step"] for folder in folders
+                  if is_intact(folder))
 
 
 @pytest.fixture(scope="module")
