@@ -68,7 +68,7 @@ def resumed_from(cfg) -> list[float]:
 def checkpoint_steps(cfg) -> list[int]:
     """Steps of the checkpoints Ray Train has finished copying into storage: one it is still copying fails its
     integrity check (its train_state.json may be there but empty)."""
-    folders = [p.parent for p in Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*/train_state.json")]
+    folders = Path(cfg.cluster.storage_path).glob("train-*/checkpoint_*")
     return sorted(json.loads((folder / "train_state.json").read_text())["step"] for folder in folders
                   if is_intact(folder))
 
