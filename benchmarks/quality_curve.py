@@ -185,6 +185,7 @@ def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
             print(json.dumps(point), flush=True)
     final = run.data.metrics
     return {
+        "machine": machine_info(),  # per drafter: --update keeps curves measured on other machines
         "steps": args.steps, "seconds": seconds, "sequences_per_step": sequences_per_step,
         "tokens_per_sequence": round(tokens_per_sequence, 1), "k": k, "train_run_id": run.info.run_id,
         "points": points,
