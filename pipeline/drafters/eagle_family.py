@@ -119,12 +119,12 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
                generator: torch.Generator | None = None, count_matches: bool = True,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples hold aux [T, A*H], last [T, H] (post-norm final hidden), input_ids [T], loss_mask [T]. Chain depth d
-    trains on a fraction options.depth_keep_decay_in_training()**d of at most options.max_anchors anchors.
+    trains on a fraction options.depth_keep_decay**d of at most options.max_anchors anchors.
 
     Returns (loss, correct [K], total [K]) where K = the drafter's num_speculative_tokens.
     """
     num_speculative_tokens = model.spec.num_speculative_tokens
-    keep_decay = options.depth_keep_decay_in_training()
+    keep_decay = options.depth_keep_decay
     rows = [sample_training_rows(s["loss_mask"], num_speculative_tokens, keep_decay, generator, options.max_anchors)
             for s in samples]
     anchors = pad_stack([r[0] for r in rows], 0)  # [B, R]

@@ -103,7 +103,7 @@ def test_semantic_validation_names_the_field(override, field):
 
 @pytest.mark.parametrize("drafter,option", [
     ("eagle3", "markov_rank=8"),  # DSpark's
-    ("eagle3", "depth_keep_decay=0.5"),  # P-EAGLE's
+    ("eagle3", "mask_token_id=3"),  # P-EAGLE's
     ("peagle", "norm_output=true"),  # EAGLE-3's: vLLM's P-EAGLE ignores it
     ("peagle", "distill_target=argmax"),  # the block drafters'
     ("dflash", "embed_requires_grad=true"),  # DFlash's export takes the verifier's embedding

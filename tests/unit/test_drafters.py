@@ -4,6 +4,7 @@ equals the training forward, DFlash's block mask vs brute force, DSpark's trunca
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -372,10 +373,27 @@ def test_deterministic_options_train_every_anchor_at_every_depth():
     full = peagle.deterministic()
     assert (full.max_anchors, full.depth_keep_decay, full.mask_token_id) == (None, 1.0, 3)
     assert (peagle.max_anchors, peagle.depth_keep_decay) == (8, 0.5)  # the run's options are left as they were
-    assert peagle.depth_keep_decay_in_training() == 0.5 and tiny_options("eagle3").depth_keep_decay_in_training() == 1
+    assert tiny_options("eagle3").depth_keep_decay == 1.0  # EAGLE-3 trains every depth unless told otherwise
     dspark = tiny_options("dspark", markov_rank=16).deterministic()
     assert type(dspark) is DRAFTERS["dspark"].config_class and (dspark.max_anchors, dspark.markov_rank) == (None, 16)
     model = tiny_drafter("peagle")
     losses = {model.training_loss(tiny_samples(), full, torch.Generator().manual_seed(seed))[0].item()
               for seed in range(3)}
     assert len(losses) == 1
+
+
+def test_eagle3_sparsified_depths_train_fewer_deep_rows_and_its_default_trains_every_depth():
+    """drafter.depth_keep_decay is the whole EAGLE family's: EAGLE-3 at 1.0 (its default) trains depth d on every
+    anchor whose target exists; below 1.0 the deeper depths train on fewer anchors, depth 0 on all of them."""
+    model, samples = tiny_drafter("eagle3"), tiny_samples(2, length=48)
+    options = tiny_options("eagle3", max_anchors=None)
+    _, _, every = model.training_loss(samples, options, torch.Generator().manual_seed(0))
+    _, _, sparse = model.training_loss(samples, replace(options, depth_keep_decay=0.5),
+                                       torch.Generator().manual_seed(0))
+    # a chain starts at an anchor whose first target (anchor + 2) is an assistant token and reaches depth d while
+    # its target anchor + 2 + d is still in the sequence (the tiny samples' answers run to the end)
+    targets_at_depth = [sum(int(s["loss_mask"][2:len(s["loss_mask"]) - d].sum()) for s in samples) for d in range(4)]
+    assert every.tolist() == targets_at_depth
+    assert sparse[0] == every[0] and all(sparse[d] < every[d] for d in range(1, 4))
+    with pytest.raises(PipelineError, match=r"drafter\.depth_keep_decay"):
+        tiny_options("eagle3", depth_keep_decay=0.0).validate()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Self
 
 from pipeline.config.schema import DrafterConfig
 
@@ -17,11 +18,19 @@ class EagleFamilyConfig(DrafterConfig):
     # Train the token embedding too (speculators' `embed_requires_grad`, on by default in its P-EAGLE); the export
     # carries it and vLLM serves it. DFlash and DSpark exports take the verifier's embedding instead.
     embed_requires_grad: bool = False
+    # Draft-block sparsification (P-EAGLE's, speculators' down_sample_ratio): chain depth d trains on a fraction
+    # depth_keep_decay**d of the anchors, nested, so the first drafts weigh more in the loss and a step has fewer
+    # rows. 1.0 keeps every depth of every anchor (EAGLE-3's training-time test as speculators runs it).
+    depth_keep_decay: float = 1.0
 
-    def depth_keep_decay_in_training(self) -> float:
-        """Chain depth d trains on a fraction decay**d of the anchors: 1.0 (every depth of every anchor) unless
-        the drafter sparsifies depth (P-EAGLE's depth_keep_decay)."""
-        return 1.0
+    def deterministic(self) -> Self:
+        return replace(super().deterministic(), depth_keep_decay=1.0)
+
+    def validate(self) -> None:
+        from pipeline.errors import require
+
+        super().validate()
+        require(0.0 < self.depth_keep_decay <= 1.0, "drafter.depth_keep_decay: must be in (0, 1]")
 
 
 @dataclass
