@@ -225,9 +225,10 @@ class TrainingConfig:
     prefetch_micro_batches: int = run_setting(2)
     grad_accum_steps: int = 1
     # adamw: AdamW on every trainable tensor. muon: Muon (momentum orthogonalised by Newton-Schulz, Jordan et al.
-    # 2024) on the weight matrices and AdamW (lr, weight_decay) on the rest, the split speculators' recipe uses; under
-    # DeepSpeed its own Muon (MuonWithAuxAdam, ZeRO-aware), else torch.optim.Muon. muon_lr is scaled per matrix by
-    # sqrt(max(1, rows / cols)) in both (Muon's original rule).
+    # 2024) on the weight matrices and AdamW (lr, weight_decay) on the rest, the split speculators' recipe uses (its
+    # vocabulary matrices, vectors and 3-D tensors on AdamW; pipeline/training/optim.py: is_muon_matrix); under
+    # DeepSpeed its own Muon (MuonWithAuxAdam, ZeRO-aware) given that split, else torch.optim.Muon. muon_lr is scaled
+    # per matrix by sqrt(max(1, rows / cols)) in both (Muon's original rule).
     optimizer: Optimizer = Optimizer.adamw
     lr: float = 1e-3
     weight_decay: float = 0.0

@@ -13,8 +13,7 @@ from pipeline.config.schema import DeepSpeedConfig, TrainingConfig
 from pipeline.training import dist
 from pipeline.training.optim import (
     deepspeed_grad_clip,
-    deepspeed_optimizer,
-    deepspeed_param_groups,
+    deepspeed_muon,
     lr_factor,
     torch_optimizers,
 )
@@ -84,14 +83,12 @@ class Engine:
 
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
             config = deepspeed_config(ds, training, micro_batch, load_universal)
-            muon = deepspeed_optimizer(training)
-            if muon:  # DeepSpeed builds its own ZeRO-aware Muon from the config
-                config["optimizer"] = muon
-                client, params = None, deepspeed_param_groups(model, training)
+            if training.optimizer == "muon":  # DeepSpeed's ZeRO-aware Muon, split by our rule (deepspeed_muon)
+                client = deepspeed_muon(model, training, ds.offload_optimizer)
             else:  # a torch AdamW handed to DeepSpeed: no op compilation on CPU, the same math on every backend
-                (client,), params = torch_optimizers(model, training), None
+                (client,) = torch_optimizers(model, training)
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=client, model_parameters=params, config=config,
+                model=model, optimizer=client, config=config,
                 lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
             self.module = self.engine.module
         else:  # DeepSpeed places the model itself

@@ -3,10 +3,10 @@
 - `adamw`: AdamW over every trainable tensor.
 - `muon`: Muon (momentum orthogonalised by Newton-Schulz; Jordan et al. 2024, "Muon: an optimizer for hidden layers
   in neural networks") over the weight matrices, AdamW over the rest; speculators' default recipe splits a drafter
-  this way. Under DeepSpeed its own ZeRO-aware `MuonWithAuxAdam` runs (DeepSpeed decides which tensors are matrices:
-  every tensor of two or more dimensions but embeddings and heads, so P-EAGLE's [1, 1, A*H] mask_hidden too);
-  without DeepSpeed `torch.optim.Muon` runs over the 2-D matrices with both sides > 1. Both scale muon_lr per matrix
-  by sqrt(max(1, rows / cols)), Muon's original rule.
+  this way. Both engines split the drafter by one rule (`is_muon_matrix`: the 2-D matrices with both sides > 1
+  that are not vocabulary matrices, speculators' rule): under DeepSpeed its ZeRO-aware `MuonWithAuxAdam` runs as
+  a client optimizer given that split, without it `torch.optim.Muon` and `torch.optim.AdamW`. Both scale muon_lr
+  per matrix by sqrt(max(1, rows / cols)), Muon's original rule.
 
 The schedule is a multiplier of each group's peak learning rate, by optimizer step: linear warmup over
 `warmup_steps`, then cosine or linear down to `min_lr_ratio` at `max_steps`.
@@ -41,22 +41,30 @@ def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float) -> Calla
 
 
 def is_muon_matrix(name: str, param: torch.Tensor, vocabulary_matrices: tuple[str, ...]) -> bool:
-    """A tensor Muon updates without DeepSpeed: a trainable 2-D matrix with both sides > 1, not one of the
+    """A tensor Muon updates (with or without DeepSpeed): a trainable 2-D matrix with both sides > 1, not one of the
     drafter's vocabulary matrices (names containing an entry of its `vocabulary_matrices`; speculators'
     `split_named_params_for_muon` rule)."""
     vocabulary = any(fragment in name for fragment in vocabulary_matrices)
     return param.requires_grad and param.ndim == 2 and min(param.shape) > 1 and not vocabulary
 
 
+def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(the trainable tensors Muon updates, the trainable rest) by `is_muon_matrix`, in parameter order."""
+    vocabulary = tuple(getattr(model, "vocabulary_matrices", DrafterBase.vocabulary_matrices))
+    matrices: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (matrices if is_muon_matrix(name, param, vocabulary) else rest).append(param)
+    return matrices, rest
+
+
 def torch_optimizers(model: torch.nn.Module, training: TrainingConfig) -> list[torch.optim.Optimizer]:
     """The run's optimizers without DeepSpeed: [AdamW], or [Muon over the matrices, AdamW over the rest]."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if training.optimizer == "adamw":
-        return [torch.optim.AdamW([p for _, p in named], lr=training.lr, weight_decay=training.weight_decay)]
-    vocabulary = tuple(getattr(model, "vocabulary_matrices", DrafterBase.vocabulary_matrices))
-    on_muon = [is_muon_matrix(name, p, vocabulary) for name, p in named]
-    matrices = [p for (_, p), muon in zip(named, on_muon) if muon]
-    rest = [p for (_, p), muon in zip(named, on_muon) if not muon]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return [torch.optim.AdamW(trainable, lr=training.lr, weight_decay=training.weight_decay)]
+    matrices, rest = split_for_muon(model)
     optimizers: list[torch.optim.Optimizer] = []
     if matrices:
         optimizers.append(torch.optim.Muon(matrices, lr=training.muon_lr, momentum=training.muon_momentum,
@@ -64,15 +72,6 @@ def torch_optimizers(model: torch.nn.Module, training: TrainingConfig) -> list[t
     if rest:
         optimizers.append(torch.optim.AdamW(rest, lr=training.lr, weight_decay=training.weight_decay))
     return optimizers
-
-
-def deepspeed_optimizer(training: TrainingConfig) -> dict | None:
-    """The DeepSpeed config's `optimizer` block for Muon (None: the client's AdamW is handed to DeepSpeed)."""
-    if training.optimizer != "muon":
-        return None
-    # muon_lr / lr are the two halves' learning rates; each half's weight decay comes with its parameter group.
-    return {"type": "Muon", "params": {"lr": training.lr, "muon_lr": training.muon_lr,
-                                       "momentum": training.muon_momentum, "ns_method": "gram"}}
 
 
 def deepspeed_grad_clip(training: TrainingConfig) -> float:
@@ -88,19 +87,41 @@ def deepspeed_grad_clip(training: TrainingConfig) -> float:
     return 0.0 if training.optimizer == "muon" else float(training.grad_clip)
 
 
-def deepspeed_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[dict]:
-    """Parameter groups for DeepSpeed's Muon: matrices (as DeepSpeed tags them) with muon_weight_decay, the rest
-    with weight_decay. deepspeed.initialize tags every parameter itself (two or more dimensions and no "embed" or
-    "lm_head" in its name) and splits each group into its Muon and Adam halves by that tag, overriding any tag of
-    ours; so the groups follow DeepSpeed's rule, not the drafter's `vocabulary_matrices` (under ZeRO, DSpark's
-    [V, rank] Markov matrices are updated by Muon, without DeepSpeed by AdamW)."""
-    matrices: list[torch.nn.Parameter] = []
-    rest: list[torch.nn.Parameter] = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        deepspeed_matrix = param.ndim >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
-        (matrices if deepspeed_matrix else rest).append(param)
-    groups = [{"params": matrices, "weight_decay": training.muon_weight_decay},
-              {"params": rest, "weight_decay": training.weight_decay}]
+def muon_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[dict]:
+    """DeepSpeed `MuonWithAuxAdam`'s parameter groups: [the Muon half, the AdamW half], split by `is_muon_matrix`,
+    each group flagged `use_muon` and each tensor tagged `use_muon` (ZeRO reads the tag off the tensor when it
+    orthogonalises the Muon half). Passing the optimizer ourselves keeps DeepSpeed's own tagging out: it puts every
+    tensor of two or more dimensions not named "embed" or "lm_head" on Muon, so DSpark's [V, rank] Markov matrices
+    (at sqrt(V / rank) ~ 28 times muon_lr), its [1, H + rank] confidence projection, P-EAGLE's [1, 1, A*H]
+    mask_hidden and DFlash2's convolution kernels, which speculators and our plain engine give to AdamW."""
+    matrices, rest = split_for_muon(model)
+    for params, use_muon in ((matrices, True), (rest, False)):
+        for param in params:
+            param.use_muon = use_muon  # type: ignore[attr-defined]
+    groups = [{"params": matrices, "use_muon": True, "name": "muon-params", "lr": training.muon_lr,
+               "momentum": training.muon_momentum, "weight_decay": training.muon_weight_decay, "ns_method": "gram"},
+              {"params": rest, "use_muon": False, "name": "adam-params", "lr": training.lr,
+               "weight_decay": training.weight_decay}]
     return [group for group in groups if group["params"]]
+
+
+def deepspeed_muon(model: torch.nn.Module, training: TrainingConfig, offload_optimizer: bool) -> torch.optim.Optimizer:
+    """DeepSpeed's ZeRO-aware `MuonWithAuxAdam` over `muon_param_groups`, its AdamW half run by the Adam DeepSpeed
+    itself would pick: DeepSpeedCPUAdam when ZeRO offloads the optimizer, else FusedAdam (Muon's inline Adam if
+    that cannot be imported). AdamW's betas and eps are MuonWithAuxAdam's defaults, (0.9, 0.95) and 1e-10."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    adam: type | None
+    if offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        adam, adam_kwargs = DeepSpeedCPUAdam, {"adamw_mode": True, "fp32_optimizer_states": True}
+    else:
+        try:
+            from deepspeed.ops.adam import FusedAdam
+
+            adam, adam_kwargs = FusedAdam, {"adam_w_mode": True}
+        except ImportError:
+            adam, adam_kwargs = None, {}
+    return MuonWithAuxAdam(muon_param_groups(model, training), adam_optimizer=adam, adam_optimizer_kwargs=adam_kwargs,
+                           adam_w_mode=True, fallback_to_inline=adam is not None and adam.__name__ == "FusedAdam")

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.checkpoint import save_checkpoint
 from pipeline.training.engine import Engine
-from pipeline.training.optim import deepspeed_optimizer, deepspeed_param_groups, lr_factor, torch_optimizers
+from pipeline.training.optim import lr_factor, muon_param_groups, torch_optimizers
 from pipeline.training.resume import ResumePoint
 from tests.unit.test_training_loop import NO_DEEPSPEED, TRAINING
 from tests.unit.tiny_drafters import tiny_drafter, tiny_options, tiny_samples
@@ -54,16 +54,25 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(algorithm):
         p for p in model.parameters() if p.requires_grad]
 
 
-def test_deepspeed_muon_gets_its_config_block_and_one_group_per_weight_decay():
-    assert deepspeed_optimizer(TRAINING) is None  # AdamW stays a client optimizer
-    block = deepspeed_optimizer(MUON)
-    assert block["type"] == "Muon" and block["params"]["muon_lr"] == 0.02 and block["params"]["lr"] == MUON.lr
-    model = tiny_drafter("peagle")
-    matrices, rest = deepspeed_param_groups(model, MUON)
-    assert matrices["weight_decay"] == 0.1 and rest["weight_decay"] == 0.01
-    assert "mask_hidden" in _names(model, matrices["params"])  # DeepSpeed tags every tensor of 2+ dimensions
-    assert _names(model, rest["params"]) == {name for name, p in model.named_parameters()
-                                             if p.requires_grad and p.ndim < 2}
+@pytest.mark.parametrize("algorithm", ["peagle", "dspark", "dflash2"])
+def test_deepspeed_muon_groups_split_the_drafter_as_the_plain_engine_does(algorithm):
+    """DeepSpeed's own tagging would put P-EAGLE's mask_hidden, DSpark's Markov matrices and confidence projection
+    and DFlash2's convolution kernels on Muon; the groups handed to its MuonWithAuxAdam follow our rule instead."""
+    model = tiny_drafter(algorithm)
+    muon_group, adam_group = muon_param_groups(model, MUON)
+    plain_muon, plain_adamw = torch_optimizers(model, MUON)
+    assert muon_group["use_muon"] and not adam_group["use_muon"]
+    assert _names(model, muon_group["params"]) == _names(model, plain_muon.param_groups[0]["params"])
+    assert _names(model, adam_group["params"]) == _names(model, plain_adamw.param_groups[0]["params"])
+    assert all(p.use_muon for p in muon_group["params"]) and not any(p.use_muon for p in adam_group["params"])
+    assert (muon_group["lr"], muon_group["weight_decay"]) == (0.02, 0.1)
+    assert (adam_group["lr"], adam_group["weight_decay"]) == (MUON.lr, 0.01)
+    deepspeed_would_take = {
+        "peagle": {"mask_hidden"},
+        "dspark": {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"},
+        "dflash2": {"layers.0.attention_conv.base_kernel", "layers.0.mlp_conv.base_kernel",
+                    "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"}}
+    assert deepspeed_would_take[algorithm] <= _names(model, adam_group["params"])
 
 
 def _step(engine: Engine, samples) -> float:
@@ -113,19 +122,26 @@ from pipeline.config.schema import DeepSpeedConfig
 from pipeline.training.engine import Engine
 from tests.unit.test_optim import MUON, _step
 from tests.unit.tiny_drafters import tiny_drafter, tiny_samples
-engine = Engine(tiny_drafter("peagle"), dataclasses.replace(MUON, warmup_steps=1),
+engine = Engine(tiny_drafter("dspark"), dataclasses.replace(MUON, warmup_steps=1),
                 DeepSpeedConfig(enabled=True, zero_stage=2, bf16=False), micro_batch=2)
-before = engine.module.fc.weight.detach().clone()
-_step(engine, tiny_samples(2))
-print(json.dumps({"moved": float((engine.module.fc.weight - before).norm()),
-                  "clip": engine.engine.gradient_clipping(), "shape": list(before.shape)}))
+names = {id(p): n for n, p in engine.module.named_parameters()}
+before = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+loss, _, _ = engine.module.training_loss(tiny_samples(2), engine.module.config_class(max_anchors=8).deterministic())
+engine.backward_and_step(loss)
+moved = {n: float((p - before[n]).norm()) for n, p in engine.module.named_parameters() if n in before}
+largest_step = {n: float((p - before[n]).abs().max()) for n, p in engine.module.named_parameters() if n in before}
+groups = [g for g in engine.optimizer.param_groups]
+print(json.dumps({"moved": moved, "largest_step": largest_step, "clip": engine.engine.gradient_clipping(),
+                  "shape": list(before["fc.weight"].shape), "group_flags": [bool(g["use_muon"]) for g in groups],
+                  "optimizer": type(engine.engine.basic_optimizer).__name__}))
 """
 
 
 def test_deepspeed_muon_steps_by_muon_lr_whatever_the_other_matrices_norms(tmp_path: Path):
     """DeepSpeed ZeRO-2 clips after it orthogonalises the Muon half; with gradient_clipping on, the clip shrank
     fc's step by the global norm of every matrix's update. One step must move fc by about muon_lr times the
-    orthogonalised update's norm, sqrt(min(rows, cols)) (Newton-Schulz leaves singular values near 1)."""
+    orthogonalised update's norm, sqrt(min(rows, cols)) (Newton-Schulz leaves singular values near 1). The
+    tensors our rule gives to AdamW step as Adam's, inside the real ZeRO-2 engine."""
     import json
     import os
     import subprocess
@@ -140,5 +156,60 @@ def test_deepspeed_muon_steps_by_muon_lr_whatever_the_other_matrices_norms(tmp_p
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     rows, cols = result["shape"]
     expected = MUON.muon_lr * min(rows, cols) ** 0.5 * max(1.0, rows / cols) ** 0.5
-    assert 0.5 * expected < result["moved"] < 1.5 * expected, (result, expected)
+    assert 0.5 * expected < result["moved"]["fc.weight"] < 1.5 * expected, (result, expected)
     assert result["clip"] == 0.0
+    assert result["optimizer"] == "MuonWithAuxAdam" and sorted(result["group_flags"]) == [False, True]
+    # DSpark's Markov matrices are on the AdamW half: no element moves by more than about lr in the first step
+    # (Adam's first update is lr * sign(grad)); DeepSpeed's own tagging gave them Muon at sqrt(V / rank) x muon_lr.
+    for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"):
+        assert 0.0 < result["largest_step"][name] <= 1.01 * MUON.lr, (name, result["largest_step"][name])
+
+
+DEEPSPEED_MUON_RESUME = """
+import dataclasses, json, sys
+from pathlib import Path
+from pipeline.checkpoint import save_checkpoint
+from pipeline.config.schema import DeepSpeedConfig
+from pipeline.training.engine import Engine
+from pipeline.training.resume import ResumePoint
+from tests.unit.test_optim import MUON
+from tests.unit.tiny_drafters import tiny_drafter, tiny_samples
+
+folder, samples = Path(sys.argv[1]), tiny_samples(2)
+training, zero2 = dataclasses.replace(MUON, warmup_steps=1), DeepSpeedConfig(enabled=True, zero_stage=2, bf16=False)
+
+def step(engine):
+    loss, _, _ = engine.module.training_loss(samples, engine.module.config_class(max_anchors=8).deterministic())
+    engine.backward_and_step(loss)
+    return float(loss)
+
+engine = Engine(tiny_drafter("dspark"), training, zero2, micro_batch=2)
+first = [step(engine) for _ in range(3)]
+save_checkpoint(folder, engine.module, {"step": 3})
+engine.save_state(folder)
+uninterrupted = [step(engine) for _ in range(2)]
+resumed = Engine(tiny_drafter("dspark"), training, zero2, micro_batch=2)
+resumed.load_state(ResumePoint(folder, step=3, global_batch=2, world_size=1, zero_stage=2, uses_deepspeed=True,
+                               token_budget=0, val_samples=0), folder / "scratch")
+print(json.dumps({"first": first, "uninterrupted": uninterrupted, "resumed": [step(resumed) for _ in range(2)]}))
+"""
+
+
+def test_deepspeed_muon_resumes_the_same_curve_from_its_checkpoint(tmp_path: Path):
+    """Our MuonWithAuxAdam is a client optimizer to DeepSpeed: its two halves' states (Muon's momentum, Adam's
+    moments) go into the ZeRO-2 checkpoint and come back, so a resumed run takes the steps the uninterrupted one
+    took."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29619", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(repo)}
+    finished = subprocess.run([sys.executable, "-c", DEEPSPEED_MUON_RESUME, str(tmp_path)], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert result["first"][-1] < result["first"][0]  # it trains
+    assert result["resumed"] == pytest.approx(result["uninterrupted"], abs=1e-5)

@@ -116,6 +116,8 @@ class DFlash2Drafter(DFlashDrafter):
     extra_keys: tuple[str, ...] = ("causal_block", *CONV_KEYS, *SELECTOR_KEYS)
     speculators_architecture = "DFlash2DraftModel"
     runs_on_vllm_cpu = False  # vLLM's DFlash2 runtime (its Triton selector walk) runs on its GPU model runner
+    # the selector's [V, rank] codebooks train with AdamW, as speculators' Muon split leaves its codebooks
+    vocabulary_matrices = (*DFlashDrafter.vocabulary_matrices, "predecessor_codebook", "successor_codebook")
 
     @classmethod
     def vllm_method(cls) -> dict[str, Any]:
