@@ -85,6 +85,9 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")
     _require(not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,
              "deepspeed.offload_params: parameters are offloaded only by ZeRO stage 3")
+    _require("optimizer" not in (cfg.deepspeed.extra or {}),
+             "deepspeed.extra.optimizer: the optimizer is training.optimizer's (adamw or muon), handed to DeepSpeed "
+             "with its parameter split; remove the block")
     _require(
         1 <= cfg.evaluation.num_speculative_tokens <= cfg.drafter.num_speculative_tokens,
         "evaluation.num_speculative_tokens: must be between 1 and drafter.num_speculative_tokens",

@@ -65,10 +65,20 @@ def deepspeed_config(ds: DeepSpeedConfig, training: TrainingConfig, micro_batch:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if ds.offload_params:
         config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if training.optimizer == "muon" and ds.zero_stage == 3:
+        # ZeRO-3 refuses Muon with reduce-scatter (each rank must hold whole gradients to orthogonalise a matrix)
+        config["zero_optimization"]["reduce_scatter"] = False
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     config.update(ds.extra or {})
     return config
+
+
+def offloads_optimizer(config: dict) -> bool:
+    """Whether the DeepSpeed config moves the optimizer off the accelerator (to host memory or NVMe), as DeepSpeed
+    reads it: then its CPU Adam must run the AdamW half."""
+    offload = config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return offload.get("device") in ("cpu", "nvme")
 
 
 class Engine:
@@ -84,7 +94,7 @@ class Engine:
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
             config = deepspeed_config(ds, training, micro_batch, load_universal)
             if training.optimizer == "muon":  # DeepSpeed's ZeRO-aware Muon, split by our rule (deepspeed_muon)
-                client = deepspeed_muon(model, training, ds.offload_optimizer)
+                client = deepspeed_muon(model, training, offloads_optimizer(config))
             else:  # a torch AdamW handed to DeepSpeed: no op compilation on CPU, the same math on every backend
                 (client,) = torch_optimizers(model, training)
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

@@ -91,9 +91,10 @@ def muon_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[
     """DeepSpeed `MuonWithAuxAdam`'s parameter groups: [the Muon half, the AdamW half], split by `is_muon_matrix`,
     each group flagged `use_muon` and each tensor tagged `use_muon` (ZeRO reads the tag off the tensor when it
     orthogonalises the Muon half). Passing the optimizer ourselves keeps DeepSpeed's own tagging out: it puts every
-    tensor of two or more dimensions not named "embed" or "lm_head" on Muon, so DSpark's [V, rank] Markov matrices
-    (at sqrt(V / rank) ~ 28 times muon_lr), its [1, H + rank] confidence projection, P-EAGLE's [1, 1, A*H]
-    mask_hidden and DFlash2's convolution kernels, which speculators and our plain engine give to AdamW."""
+    tensor of two or more dimensions not named "embed" or "lm_head" on Muon, which would move DSpark's [V, rank]
+    Markov matrices (at sqrt(V / rank) ~ 28 times muon_lr) and confidence projection, P-EAGLE's [1, 1, A*H]
+    mask_hidden and DFlash2's convolution kernels and codebooks off the AdamW half that speculators and our plain
+    engine give them."""
     matrices, rest = split_for_muon(model)
     for params, use_muon in ((matrices, True), (rest, False)):
         for param in params:
@@ -107,8 +108,9 @@ def muon_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[
 
 def deepspeed_muon(model: torch.nn.Module, training: TrainingConfig, offload_optimizer: bool) -> torch.optim.Optimizer:
     """DeepSpeed's ZeRO-aware `MuonWithAuxAdam` over `muon_param_groups`, its AdamW half run by the Adam DeepSpeed
-    itself would pick: DeepSpeedCPUAdam when ZeRO offloads the optimizer, else FusedAdam (Muon's inline Adam if
-    that cannot be imported). AdamW's betas and eps are MuonWithAuxAdam's defaults, (0.9, 0.95) and 1e-10."""
+    itself would pick: DeepSpeedCPUAdam when ZeRO offloads the optimizer (`offload_optimizer`, read off the final
+    DeepSpeed config), else FusedAdam (Muon's inline Adam if FusedAdam cannot be imported or built). AdamW's betas
+    and eps are MuonWithAuxAdam's defaults, (0.9, 0.95) and 1e-10."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     adam: type | None

@@ -101,6 +101,19 @@ def check_same_data_order(point: ResumePoint, training: TrainingConfig) -> None:
                                 f"has {ours}; a resume must keep the data order")
 
 
+def check_optimizer_carries_over(point: ResumePoint, training: TrainingConfig, num_workers: int,
+                                 zero_stage: int) -> None:
+    """A Muon run's DeepSpeed checkpoint resumes only on the worker count and ZeRO stage that wrote it: another
+    layout goes through DeepSpeed's universal checkpoint (ds_to_universal), which carries Adam's moments and no
+    Muon momentum, and fails on it. zero_stage is this run's (-1 without DeepSpeed, which load_state refuses)."""
+    if training.optimizer == "muon" and zero_stage >= 0 and needs_universal(point, num_workers, zero_stage):
+        raise PipelineError(
+            f"training.num_workers: checkpoint '{point.folder}' was trained with Muon on {point.world_size} workers "
+            f"at ZeRO stage {point.zero_stage}; DeepSpeed's universal checkpoint cannot carry Muon's momentum to "
+            f"{num_workers} workers at stage {zero_stage}: resume with the same training.num_workers and "
+            "deepspeed.zero_stage")
+
+
 def _is_complete(folder: Path) -> bool:
     """Every file a resume reads is there, whole (a run killed while Ray gathered the ranks' files leaves a partial
     one; a crash can truncate a file): the integrity records of every rank hold."""

@@ -23,7 +23,12 @@ from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
 from pipeline.training.loop import train_loop_per_worker
-from pipeline.training.resume import check_same_data_order, latest_complete_checkpoint, read_resume_point
+from pipeline.training.resume import (
+    check_optimizer_carries_over,
+    check_same_data_order,
+    latest_complete_checkpoint,
+    read_resume_point,
+)
 from pipeline.training.worker_config import ValTauSettings, WorkerConfig
 from pipeline.verifier import verifier_stop_token_ids
 
@@ -113,6 +118,8 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         point = read_resume_point(resume_from, spec)
         assert point is not None  # a folder always has one
         check_same_data_order(point, training)
+        check_optimizer_carries_over(point, training, training.num_workers,
+                                     deepspeed.zero_stage if deepspeed.enabled else -1)
         if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
             log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
                         "among the run's checkpoints is not made again)", resume_from, point.step,

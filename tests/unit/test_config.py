@@ -82,6 +82,7 @@ def test_wrong_type_is_refused_naming_the_field():
     ("training.autocast_dtype=fp8", "training.autocast_dtype"),
     ("training.val_samples=-1", "training.val_samples"),
     ("deepspeed.offload_params=true", "deepspeed.offload_params"),
+    ("+deepspeed.extra.optimizer.type=Muon", "deepspeed.extra.optimizer"),  # would re-split training.optimizer
     ("training.max_tokens_per_micro_batch=-8", "training.max_tokens_per_micro_batch"),
     ("evaluation.temperature=-1", "evaluation.temperature"),
     ("evaluation.profile_max_new_tokens=0", "evaluation.profile_max_new_tokens"),

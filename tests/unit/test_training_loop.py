@@ -13,7 +13,13 @@ from pipeline.errors import PipelineError
 from pipeline.training.engine import Engine, deepspeed_config, native_bf16, resolve_autocast
 from pipeline.training.optim import lr_factor
 from pipeline.training.order import GlobalOrder, pack_to_token_budget
-from pipeline.training.resume import ResumePoint, check_same_data_order, micro_batch_for, read_resume_point
+from pipeline.training.resume import (
+    ResumePoint,
+    check_optimizer_carries_over,
+    check_same_data_order,
+    micro_batch_for,
+    read_resume_point,
+)
 from tests.unit.tiny_drafters import HIDDEN, VOCAB, tiny_drafter, tiny_options, tiny_samples
 
 TRAINING = TrainingConfig(micro_batch_size=2, grad_accum_steps=1, grad_clip=1.0, lr=3e-3, weight_decay=0.0,
@@ -65,6 +71,19 @@ def test_a_resume_keeps_the_packing_and_the_held_out_samples(tmp_path):
         check_same_data_order(point, TrainingConfig(max_tokens_per_micro_batch=4096, val_samples=4))
     with pytest.raises(PipelineError, match="training.val_samples: checkpoint .* trained with 4, this run has 2"):
         check_same_data_order(point, TrainingConfig(max_tokens_per_micro_batch=0, val_samples=2))
+
+
+def test_a_muon_checkpoint_resumes_only_on_the_layout_that_wrote_it(tmp_path):
+    """DeepSpeed's universal checkpoint carries no Muon momentum: a Muon run on another worker count or ZeRO stage
+    is refused before any worker starts; AdamW converts, and the same layout needs no conversion."""
+    point = ResumePoint(tmp_path, step=3, global_batch=2, world_size=2, zero_stage=2, uses_deepspeed=True)
+    muon, adamw = TrainingConfig(optimizer="muon"), TrainingConfig(optimizer="adamw")
+    check_optimizer_carries_over(point, muon, num_workers=2, zero_stage=2)
+    check_optimizer_carries_over(point, adamw, num_workers=1, zero_stage=3)
+    for workers, stage in ((1, 2), (2, 3)):
+        with pytest.raises(PipelineError, match=r"training\.num_workers: .* trained with Muon on 2 workers at ZeRO "
+                                                 rf"stage 2; .* to {workers} workers at stage {stage}"):
+            check_optimizer_carries_over(point, muon, num_workers=workers, zero_stage=stage)
 
 
 def test_a_checkpoint_of_another_drafter_or_verifier_is_refused(tmp_path):
