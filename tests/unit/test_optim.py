@@ -57,7 +57,8 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(algorithm):
 @pytest.mark.parametrize("algorithm", ["peagle", "dspark", "dflash2"])
 def test_deepspeed_muon_groups_split_the_drafter_as_the_plain_engine_does(algorithm):
     """DeepSpeed's own tagging would put P-EAGLE's mask_hidden, DSpark's Markov matrices and confidence projection
-    and DFlash2's convolution kernels on Muon; the groups handed to its MuonWithAuxAdam follow our rule instead."""
+    and DFlash2's convolution kernels and codebooks on Muon; the groups handed to its MuonWithAuxAdam follow our rule
+    instead."""
     model = tiny_drafter(algorithm)
     muon_group, adam_group = muon_param_groups(model, MUON)
     plain_muon, plain_adamw = torch_optimizers(model, MUON)
