@@ -115,6 +115,23 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path: Path):
         muon.load_state(point, tmp_path / "scratch")
 
 
+def run_single_rank(script: str, port: int, *args: str) -> dict:
+    """Run `script` as rank 0 of a one-process DeepSpeed world on CPU (its own interpreter: DeepSpeed's process group
+    and op builds stay out of the test process); returns the JSON object its last output line prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(repo)}
+    finished = subprocess.run([sys.executable, "-c", script, *args], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 DEEPSPEED_MUON_STEP = """
 import dataclasses, json, sys
 from pipeline.config.schema import DeepSpeedConfig
@@ -148,18 +165,7 @@ def test_deepspeed_muon_steps_by_muon_lr_whatever_the_other_matrices_norms(tmp_p
     orthogonalised update's norm, sqrt(min(rows, cols)) (Newton-Schulz leaves singular values near 1). The
     tensors our rule gives to AdamW step as Adam's, inside the real ZeRO-2 and ZeRO-3 engines (ZeRO-3 refuses Muon
     with its default reduce-scatter)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29620 + zero_stage), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(repo)}
-    finished = subprocess.run([sys.executable, "-c", DEEPSPEED_MUON_STEP, str(zero_stage)], cwd=repo, env=env,
-                              capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-2000:]
-    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    result = run_single_rank(DEEPSPEED_MUON_STEP, 29620 + zero_stage, str(zero_stage))
     rows, cols = result["shape"]
     expected = MUON.muon_lr * min(rows, cols) ** 0.5 * max(1.0, rows / cols) ** 0.5
     assert 0.5 * expected < result["moved"]["fc.weight"] < 1.5 * expected, (result, expected)
@@ -206,17 +212,6 @@ def test_deepspeed_muon_resumes_the_same_curve_from_its_checkpoint(tmp_path: Pat
     """Our MuonWithAuxAdam is a client optimizer to DeepSpeed: its two halves' states (Muon's momentum, Adam's
     moments) go into the ZeRO-2 checkpoint and come back, so a resumed run takes the steps the uninterrupted one
     took (the first loss after the resume reads only the weights; the next two read the optimizer's state)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29619", "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(repo)}
-    finished = subprocess.run([sys.executable, "-c", DEEPSPEED_MUON_RESUME, str(tmp_path)], cwd=repo, env=env,
-                              capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-2000:]
-    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    result = run_single_rank(DEEPSPEED_MUON_RESUME, 29619, str(tmp_path))
     assert result["first"][-1] < result["first"][0]  # it trains
     assert result["resumed"] == pytest.approx(result["uninterrupted"], abs=1e-5)
