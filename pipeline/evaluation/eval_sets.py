@@ -33,13 +33,18 @@ def eval_sets(eval_cfg: Any, held_out, train_ids: set[str], writer=None) -> dict
 
 def set_config(name: str, eval_cfg: Any) -> Any:
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
+    from pipeline.config.registration import config_error_line
     from pipeline.config.schema import EvalSetConfig
 
     try:
         return OmegaConf.merge(OmegaConf.structured(EvalSetConfig), eval_cfg.sets[name])
-    except Exception as error:  # omegaconf's errors name the bad key
-        raise PipelineError(f"evaluation.sets.{name}: {str(error).splitlines()[0]}") from error
+    except OmegaConfBaseException as error:  # its message names the bad key inside the set
+        raise PipelineError(f"evaluation.sets.{name}.{config_error_line(error)}") from error
+    except ValueError as error:  # not a mapping at all
+        raise PipelineError(f"evaluation.sets.{name}: must be a mapping of EvalSetConfig's fields "
+                            f"({{source: ..., path: ...}}), got {eval_cfg.sets[name]!r}") from error
 
 
 def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[dict]:

@@ -103,9 +103,10 @@ class VllmVerifier:
         """engine_options: further vllm.LLM arguments (e.g. max_num_batched_tokens), over this class's own."""
         from transformers import AutoTokenizer
 
-        self.path, self.dtype = verifier_path, compute_dtype
+        # a plain str: the config hands over a StrEnum member (pipeline/config/schema.py: Dtype)
+        self.path, self.dtype = verifier_path, str(compute_dtype)
         self.engine_options = {"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
-                               "dtype": compute_dtype, "seed": 0, "enforce_eager": True,
+                               "dtype": self.dtype, "seed": 0, "enforce_eager": True,
                                **vllm_engine_options(verifier_path), **(engine_options or {})}
         if kv_cache_gb:
             self.engine_options["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)

@@ -26,7 +26,7 @@ def llm_config(serving: Any, served_name: str, verifier_path: str) -> dict:
     """A `ray.serve.llm.LLMConfig` as a plain dict (it goes into a YAML file as is), without the speculator and
     without the options the verifier's family needs: `build_app` adds both where the app is built (`verifier_path`
     may be a hub id that only the cluster can read; a RayService manifest is rendered offline)."""
-    engine: dict[str, Any] = {"max_model_len": serving.max_model_len, "dtype": serving.dtype,
+    engine: dict[str, Any] = {"max_model_len": serving.max_model_len, "dtype": str(serving.dtype),
                               "tensor_parallel_size": serving.tensor_parallel_size,
                               "gpu_memory_utilization": serving.memory_fraction}
     if serving.accelerator == "cpu":

@@ -133,7 +133,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         raise PipelineError(f"train: the Ray Train run failed: {remote_cause(result.error)}")
     if result.checkpoint is None:
         raise PipelineError("train: the run finished without reporting a checkpoint")
-    select_by = cfg.training.select_best_by
+    select_by = str(cfg.training.select_best_by)
     chosen, score = _final_checkpoint(result, select_by if cfg.training.val_samples > 0 else None)
     with chosen.as_directory() as folder:
         copy_folder_atomic(Path(folder), final)
@@ -191,7 +191,8 @@ def _checkpoint_config(training):
 
     if training.val_samples > 0:
         return CheckpointConfig(num_to_keep=training.keep_checkpoints,
-                                checkpoint_score_attribute=training.select_best_by, checkpoint_score_order="max")
+                                checkpoint_score_attribute=str(training.select_best_by),  # a metric name for Ray
+                                checkpoint_score_order="max")
     return CheckpointConfig(num_to_keep=training.keep_checkpoints)
 
 

@@ -116,7 +116,6 @@ OVERRIDES = [
     ("generation.gpu_memory_utilization=1.5", "generation.gpu_memory_utilization: must be in (0, 1]"),
     ("evaluation.vllm.memory_fraction=0", "evaluation.vllm.memory_fraction: must be in (0, 1]"),
     ("evaluation.vllm.max_model_len=0", "evaluation.vllm.max_model_len: must be >= 1"),
-    ("serving.dtype=fp33", "serving.dtype: 'fp33' is not one of"),
     ("serving.memory_fraction=2", "serving.memory_fraction: must be in (0, 1]"),
     ("serving.max_model_len=0", "serving.max_model_len: must be >= 1"),
 ]
@@ -137,6 +136,15 @@ def test_a_bad_override_exits_2_before_the_first_stage(override, message, tmp_pa
     ("generation.compression=zstd", "generation.compression: 'zstd' is not one of [none, fp8]"),
     ("generation.overlength=wrap", "generation.overlength: 'wrap' is not one of [truncate, drop]"),
     ("generation.responses=copy", "generation.responses: 'copy' is not one of [regenerate, keep]"),
+    ("generation.backend=sglang", "generation.backend: 'sglang' is not one of [hf, vllm]"),
+    ("generation.capture_backend=sglang", "generation.capture_backend: 'sglang' is not one of [hf, vllm]"),
+    ("data.synthetic.backend=sglang", "data.synthetic.backend: 'sglang' is not one of [hf, vllm]"),
+    ("data.source=csv", "data.source: 'csv' is not one of [humaneval, synthetic, general, jsonl, parquet, hub]"),
+    ("verifier.compute_dtype=fp8", "verifier.compute_dtype: 'fp8' is not one of [float32, bfloat16, float16]"),
+    ("verifier.save_dtype=float64", "verifier.save_dtype: 'float64' is not one of [float32, bfloat16, float16]"),
+    ("serving.dtype=fp33", "serving.dtype: 'fp33' is not one of [auto, float32, bfloat16, float16]"),
+    ("serving.accelerator=tpu", "serving.accelerator: 'tpu' is not one of [cpu, gpu]"),
+    ("training.select_best_by=val.loss", "training.select_best_by: 'val.loss' is not one of [val.proxy_tau, val.tau]"),
 ])
 def test_a_value_outside_a_settings_choices_is_refused_when_the_config_is_composed(override, message, tmp_path):
     """The schema types these choices (Enums): the config never composes, so no stage can start."""

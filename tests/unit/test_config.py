@@ -140,7 +140,6 @@ def test_each_drafters_schema_extends_the_one_it_builds_on():
 @pytest.mark.parametrize("override,field", [
     ("data.synthetic.per_domain=0", "data.synthetic.per_domain"),
     ("data.synthetic.domains=[code,poetry]", "data.synthetic.domains"),
-    ("data.synthetic.backend=sglang", "data.synthetic.backend"),
     ("data.synthetic.batch_size=100000", "data.synthetic.batch_size"),
     ("data.synthetic.temperature=0", "data.synthetic"),
 ])
@@ -149,6 +148,29 @@ def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(overrid
     for source in ("synthetic", "general"):
         with pytest.raises(PipelineError, match=field.replace(".", r"\.")):
             validate(compose([f"data.source={source}", override]))
+
+
+def test_every_source_the_prompt_reader_knows_offline_is_a_schema_choice():
+    from pipeline.config.schema import PromptSource
+    from pipeline.data.prompts import OFFLINE_SOURCES
+
+    assert set(OFFLINE_SOURCES) < set(PromptSource)
+
+
+@pytest.mark.parametrize("definition, message", [
+    ("{source: csv}", "evaluation.sets.extra.source: 'csv' is not one of [humaneval, synthetic, general, jsonl, "
+                      "parquet, hub]"),
+    ("{synthetic: {backend: sglang}}", "evaluation.sets.extra.synthetic.backend: 'sglang' is not one of [hf, vllm]"),
+    ("{sauce: jsonl}", "evaluation.sets.extra.sauce: Key 'sauce' not in 'EvalSetConfig'"),
+    ("5", "evaluation.sets.extra: must be a mapping of EvalSetConfig's fields"),
+])
+def test_an_eval_sets_definition_is_checked_against_the_schema_naming_its_key(definition, message):
+    """Eval sets are plain dicts in the config (a user adds one with `+`); validation reads each through
+    EvalSetConfig, so a bad choice in one is refused like a bad choice anywhere else, by its full key."""
+    cfg = compose([f"+evaluation.sets.extra={definition}", "evaluation.datasets=[held_out,extra]"])
+    with pytest.raises(PipelineError) as error:
+        validate(cfg)
+    assert str(error.value).startswith(message)
 
 
 @pytest.mark.parametrize("overrides, field", [
