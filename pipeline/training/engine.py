@@ -10,11 +10,13 @@ import torch
 
 from pipeline.checkpoint import load_trainable_weights
 from pipeline.config.schema import DeepSpeedConfig, TrainingConfig
+from pipeline.errors import PipelineError
 from pipeline.training import dist
 from pipeline.training.optim import (
     deepspeed_grad_clip,
     deepspeed_muon,
     lr_factor,
+    muon_matrix_names,
     torch_optimizers,
 )
 from pipeline.training.resume import (
@@ -23,9 +25,13 @@ from pipeline.training.resume import (
     OPTIMIZER_FILE,
     UNIVERSAL_TAG,
     ResumePoint,
+    check_same_optimizer_split,
     convert_to_universal,
     needs_universal,
 )
+
+# What torch's and DeepSpeed's optimizer-state loading raise on state of another shape.
+LOAD_MISMATCH_ERRORS = (ValueError, RuntimeError, KeyError, IndexError, AssertionError)
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,6 +94,8 @@ class Engine:
                  load_universal: bool = False):
         factor = lr_factor(training.lr_schedule, training.warmup_steps, training.max_steps, training.min_lr_ratio)
         self.uses_deepspeed = ds.enabled
+        # Recorded in every checkpoint's state: the split its optimizer state belongs to (resume.py).
+        self.muon_params = muon_matrix_names(model) if training.optimizer == "muon" else []
         if self.uses_deepspeed:
             import deepspeed
 
@@ -126,8 +134,24 @@ class Engine:
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
     def load_state(self, point: ResumePoint, scratch: Path) -> None:
+        """Weights (plain engine; DeepSpeed loads its own), optimizer and schedule of `point`. Raises
+        PipelineError when its optimizer state belongs to another parameter split than this run's."""
         if point.uses_deepspeed != self.uses_deepspeed:
             raise RuntimeError(f"checkpoint {point.folder} was written with deepspeed.enabled={point.uses_deepspeed}")
+        check_same_optimizer_split(point, self.muon_params)
+        try:
+            self._load_state(point, scratch)
+        except LOAD_MISMATCH_ERRORS as error:
+            if point.muon_params is not None:  # the split matched: not a split mismatch
+                raise
+            cause = (str(error).strip().splitlines() or [""])[0][:200]
+            raise PipelineError(
+                f"training.optimizer: checkpoint '{point.folder}' records no optimizer split (written before it "
+                f"was recorded) and its optimizer state does not fit this run's ({type(error).__name__}: {cause}); "
+                "it cannot be resumed here: train afresh (remove its run folder, or name another "
+                "training.resume_from)") from error
+
+    def _load_state(self, point: ResumePoint, scratch: Path) -> None:
         if not self.uses_deepspeed:
             load_trainable_weights(self.module, point.folder)
             state = torch.load(point.folder / OPTIMIZER_FILE, weights_only=True)

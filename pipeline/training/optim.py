@@ -48,15 +48,17 @@ def is_muon_matrix(name: str, param: torch.Tensor, vocabulary_matrices: tuple[st
     return param.requires_grad and param.ndim == 2 and min(param.shape) > 1 and not vocabulary
 
 
-def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(the trainable tensors Muon updates, the trainable rest) by `is_muon_matrix`, in parameter order."""
+def muon_matrix_names(model: torch.nn.Module) -> list[str]:
+    """The names of the trainable tensors Muon updates, by `is_muon_matrix`, in parameter order."""
     vocabulary = tuple(getattr(model, "vocabulary_matrices", DrafterBase.vocabulary_matrices))
-    matrices: list[torch.nn.Parameter] = []
-    rest: list[torch.nn.Parameter] = []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (matrices if is_muon_matrix(name, param, vocabulary) else rest).append(param)
-    return matrices, rest
+    return [name for name, param in model.named_parameters() if is_muon_matrix(name, param, vocabulary)]
+
+
+def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(the trainable tensors Muon updates, the trainable rest), in parameter order."""
+    on_muon = set(muon_matrix_names(model))
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    return [p for name, p in trainable if name in on_muon], [p for name, p in trainable if name not in on_muon]
 
 
 def torch_optimizers(model: torch.nn.Module, training: TrainingConfig) -> list[torch.optim.Optimizer]:

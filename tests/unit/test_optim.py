@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeline.checkpoint import save_checkpoint
+from pipeline.errors import PipelineError
 from pipeline.training.engine import Engine
 from pipeline.training.optim import lr_factor, muon_param_groups, torch_optimizers
 from pipeline.training.resume import ResumePoint
@@ -104,15 +105,43 @@ def test_plain_engine_with_muon_trains_both_halves_and_resumes_the_same_curve(tm
     assert resumed.lr() == engine.lr()  # the schedules were restored with the optimizer states
 
 
-def test_a_resume_with_another_optimizer_is_refused(tmp_path: Path):
-    engine = Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2)
-    save_checkpoint(tmp_path, engine.module, {"step": 1})
-    engine.save_state(tmp_path)
+def _saved_state(engine: Engine, folder: Path, **recorded) -> ResumePoint:
+    save_checkpoint(folder, engine.module, {"step": 1})
+    engine.save_state(folder)
+    return ResumePoint(folder, step=1, global_batch=2, world_size=1, zero_stage=-1, uses_deepspeed=False,
+                       token_budget=0, val_samples=0, **recorded)
+
+
+def test_a_resume_with_another_optimizer_is_refused_naming_the_tensors_that_moved(tmp_path: Path):
+    adamw = Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2)
+    assert adamw.muon_params == []
+    point = _saved_state(adamw, tmp_path, muon_params=adamw.muon_params)
     muon = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
-    point = ResumePoint(tmp_path, step=1, global_batch=2, world_size=1, zero_stage=-1, uses_deepspeed=False,
-                        token_budget=0, val_samples=0)
-    with pytest.raises(RuntimeError, match="holds 1 optimizer states, this run's training.optimizer has 2"):
+    assert "fc.weight" in muon.muon_params and "mask_hidden" not in muon.muon_params
+    with pytest.raises(PipelineError, match=r"^training\.optimizer: checkpoint .* another parameter split "
+                                            r"\(fc\.weight, .* on AdamW there, on Muon here\)"):
         muon.load_state(point, tmp_path / "scratch")
+
+
+def test_a_muon_state_of_another_split_is_refused_before_torch_reads_it(tmp_path: Path):
+    """A Muon checkpoint whose split put one more tensor on Muon (DeepSpeed's own tagging did, before the split
+    was ours): refused by name, not by a size mismatch inside the optimizer."""
+    engine = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
+    point = _saved_state(engine, tmp_path, muon_params=[*engine.muon_params, "mask_hidden"])
+    resumed = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
+    with pytest.raises(PipelineError, match=r"\(mask_hidden on Muon there, on AdamW here\)"):
+        resumed.load_state(point, tmp_path / "scratch")
+
+
+def test_a_state_that_records_no_split_and_does_not_fit_fails_in_one_line_naming_the_cause(tmp_path: Path):
+    point = _saved_state(Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2), tmp_path)
+    muon = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
+    with pytest.raises(PipelineError) as error:
+        muon.load_state(point, tmp_path / "scratch")
+    message = str(error.value)
+    assert message.startswith("training.optimizer: checkpoint") and "\n" not in message
+    assert "records no optimizer split" in message
+    assert "RuntimeError: checkpoint" in message and "holds 1 optimizer states" in message
 
 
 def run_single_rank(script: str, port: int, *args: str) -> dict:
@@ -182,6 +211,7 @@ DEEPSPEED_MUON_RESUME = """
 import dataclasses, json, sys
 from pathlib import Path
 from pipeline.checkpoint import save_checkpoint
+from pipeline.errors import PipelineError
 from pipeline.config.schema import DeepSpeedConfig
 from pipeline.training.engine import Engine
 from pipeline.training.resume import ResumePoint
