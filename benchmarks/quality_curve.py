@@ -186,6 +186,7 @@ def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
     final = run.data.metrics
     return {
         "machine": machine_info(),  # per drafter: --update keeps curves measured on other machines
+        "overrides": list(args.override),  # the recipe beyond experiment=quality_cpu
         "steps": args.steps, "seconds": seconds, "sequences_per_step": sequences_per_step,
         "tokens_per_sequence": round(tokens_per_sequence, 1), "k": k, "train_run_id": run.info.run_id,
         "points": points,
