@@ -40,8 +40,10 @@ def set_config(name: str, eval_cfg: Any) -> Any:
 
     try:
         return OmegaConf.merge(OmegaConf.structured(EvalSetConfig), eval_cfg.sets[name])
-    except OmegaConfBaseException as error:  # its message names the bad key inside the set
-        raise PipelineError(f"evaluation.sets.{name}.{config_error_line(error)}") from error
+    except OmegaConfBaseException as error:
+        if getattr(error, "full_key", None):  # the bad key inside the set
+            raise PipelineError(f"evaluation.sets.{name}.{config_error_line(error)}") from error
+        raise PipelineError(f"evaluation.sets.{name}: {str(error).splitlines()[0]}") from error
     except ValueError as error:  # not a mapping at all
         raise PipelineError(f"evaluation.sets.{name}: must be a mapping of EvalSetConfig's fields "
                             f"({{source: ..., path: ...}}), got {eval_cfg.sets[name]!r}") from error

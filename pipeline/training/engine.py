@@ -16,7 +16,7 @@ from pipeline.training.optim import (
     deepspeed_grad_clip,
     deepspeed_muon,
     lr_factor,
-    muon_matrix_names,
+    optimizer_split,
     torch_optimizers,
 )
 from pipeline.training.resume import (
@@ -29,9 +29,6 @@ from pipeline.training.resume import (
     convert_to_universal,
     needs_universal,
 )
-
-# What torch's and DeepSpeed's optimizer-state loading raise on state of another shape.
-LOAD_MISMATCH_ERRORS = (ValueError, RuntimeError, KeyError, IndexError, AssertionError)
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,7 +92,7 @@ class Engine:
         factor = lr_factor(training.lr_schedule, training.warmup_steps, training.max_steps, training.min_lr_ratio)
         self.uses_deepspeed = ds.enabled
         # Recorded in every checkpoint's state: the split its optimizer state belongs to (resume.py).
-        self.muon_params = muon_matrix_names(model) if training.optimizer == "muon" else []
+        self.optimizer_split = optimizer_split(model, training)
         if self.uses_deepspeed:
             import deepspeed
 
@@ -138,36 +135,27 @@ class Engine:
         PipelineError when its optimizer state belongs to another parameter split than this run's."""
         if point.uses_deepspeed != self.uses_deepspeed:
             raise RuntimeError(f"checkpoint {point.folder} was written with deepspeed.enabled={point.uses_deepspeed}")
-        check_same_optimizer_split(point, self.muon_params)
-        try:
-            self._load_state(point, scratch)
-        except LOAD_MISMATCH_ERRORS as error:
-            if point.muon_params is not None:  # the split matched: not a split mismatch
-                raise
-            cause = (str(error).strip().splitlines() or [""])[0][:200]
-            raise PipelineError(
-                f"training.optimizer: checkpoint '{point.folder}' records no optimizer split (written before it "
-                f"was recorded) and its optimizer state does not fit this run's ({type(error).__name__}: {cause}); "
-                "it cannot be resumed here: train afresh (remove its run folder, or name another "
-                "training.resume_from)") from error
-
-    def _load_state(self, point: ResumePoint, scratch: Path) -> None:
-        if not self.uses_deepspeed:
-            load_trainable_weights(self.module, point.folder)
-            state = torch.load(point.folder / OPTIMIZER_FILE, weights_only=True)
-            saved = state.get("optimizers", [state.get("optimizer")])  # one AdamW before training.optimizer
-            if len(saved) != len(self.optimizers):
-                raise RuntimeError(f"checkpoint {point.folder} holds {len(saved)} optimizer states, this run's "
-                                   f"training.optimizer has {len(self.optimizers)}")
-            for optimizer, optimizer_state in zip(self.optimizers, saved):
-                optimizer.load_state_dict(optimizer_state)
-            for scheduler, scheduler_state in zip(self.schedulers, state.get("schedulers", [state.get("scheduler")])):
-                scheduler.load_state_dict(scheduler_state)
+        check_same_optimizer_split(point, self.optimizer_split)
+        if self.uses_deepspeed:
+            if needs_universal(point, dist.world_size(), self.zero_stage()):
+                self.engine.load_checkpoint(str(convert_to_universal(point, scratch)), tag=UNIVERSAL_TAG)
+            else:
+                self.engine.load_checkpoint(str(point.deepspeed_dir), tag=DEEPSPEED_TAG)
             return
-        if needs_universal(point, dist.world_size(), self.zero_stage()):
-            self.engine.load_checkpoint(str(convert_to_universal(point, scratch)), tag=UNIVERSAL_TAG)
-        else:
-            self.engine.load_checkpoint(str(point.deepspeed_dir), tag=DEEPSPEED_TAG)
+        load_trainable_weights(self.module, point.folder)
+        state = torch.load(point.folder / OPTIMIZER_FILE, weights_only=True)
+        saved = state.get("optimizers", [state.get("optimizer")])  # one AdamW before training.optimizer
+        if len(saved) != len(self.optimizers):
+            raise PipelineError(f"training.optimizer: checkpoint '{point.folder}' holds {len(saved)} optimizer "
+                                f"states, this run's training.optimizer has {len(self.optimizers)}")
+        for optimizer, optimizer_state in zip(self.optimizers, saved):
+            try:
+                optimizer.load_state_dict(optimizer_state)
+            except ValueError as error:  # torch's check of the group sizes: a split the checkpoint did not record
+                raise PipelineError(f"training.optimizer: checkpoint '{point.folder}' holds optimizer state for "
+                                    f"another parameter split ({error})") from None
+        for scheduler, scheduler_state in zip(self.schedulers, state.get("schedulers", [state.get("scheduler")])):
+            scheduler.load_state_dict(scheduler_state)
 
     def backward_and_step(self, loss: torch.Tensor, boundary: bool = True) -> None:
         """Backward one micro-batch's mean loss; step the optimizer at the last micro-batch of a step (`boundary`).

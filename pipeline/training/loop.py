@@ -279,7 +279,7 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
         state = {"step": step, "epoch": epoch, "micro_batches_seen": step * order.global_batch,
                  "global_batch": order.global_batch, "world_size": world, "zero_stage": engine.zero_stage(),
                  "deepspeed": engine.uses_deepspeed, "token_budget": order.token_budget,
-                 "val_samples": training.val_samples, "muon_params": engine.muon_params}
+                 "val_samples": training.val_samples, "optimizer_split": engine.optimizer_split}
         if with_checkpoint:
             metrics = _report_checkpoint(metrics, engine, state, sink, val_tau)
             val_tau.remember(step, metrics)

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.config.schema import LrSchedule, TrainingConfig
 from pipeline.drafters.base import DrafterBase
+from pipeline.drafters.spec import DrafterSpec
 
 LR_SCHEDULES = tuple(schedule.value for schedule in LrSchedule)
 
@@ -52,6 +53,25 @@ def muon_matrix_names(model: torch.nn.Module) -> list[str]:
     """The names of the trainable tensors Muon updates, by `is_muon_matrix`, in parameter order."""
     vocabulary = tuple(getattr(model, "vocabulary_matrices", DrafterBase.vocabulary_matrices))
     return [name for name, param in model.named_parameters() if is_muon_matrix(name, param, vocabulary)]
+
+
+def optimizer_split(model: torch.nn.Module, training: TrainingConfig) -> dict[str, list[str]]:
+    """{"muon": names, "adamw": names}: the trainable tensors each half of the run's optimizer updates, in parameter
+    order (under training.optimizer=adamw, AdamW takes them all). A checkpoint records it: its optimizer state fits
+    only this split (pipeline/training/resume.py)."""
+    on_muon = set(muon_matrix_names(model)) if training.optimizer == "muon" else set()
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    return {"muon": [name for name in trainable if name in on_muon],
+            "adamw": [name for name in trainable if name not in on_muon]}
+
+
+def planned_optimizer_split(spec: DrafterSpec, training: TrainingConfig) -> dict[str, list[str]]:
+    """`optimizer_split` of the drafter `spec` builds, without its weights (on the meta device: names and shapes
+    only), so that the driver can check a resume before any worker starts."""
+    from pipeline.drafters import drafter_class
+
+    with torch.device("meta"):
+        return optimizer_split(drafter_class(spec.algorithm)(spec), training)
 
 
 def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:

@@ -47,7 +47,8 @@ class ResumePoint:
     uses_deepspeed: bool
     token_budget: Optional[int] = None  # None: a checkpoint from before these were recorded
     val_samples: Optional[int] = None
-    muon_params: Optional[list[str]] = None  # the tensors the optimizer state holds on Muon ([] for AdamW)
+    # {"muon": names, "adamw": names} its optimizer state holds (optim.optimizer_split); None: not recorded
+    optimizer_split: Optional[dict[str, list[str]]] = None
 
     @property
     def deepspeed_dir(self) -> Path:
@@ -90,7 +91,7 @@ def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[Res
     return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
                        world_size=int(state["world_size"]), zero_stage=int(state["zero_stage"]),
                        uses_deepspeed=bool(state["deepspeed"]), token_budget=state.get("token_budget"),
-                       val_samples=state.get("val_samples"), muon_params=state.get("muon_params"))
+                       val_samples=state.get("val_samples"), optimizer_split=state.get("optimizer_split"))
 
 
 def check_same_data_order(point: ResumePoint, training: TrainingConfig) -> None:
@@ -115,27 +116,26 @@ def check_optimizer_carries_over(point: ResumePoint, training: TrainingConfig, n
             "deepspeed.zero_stage")
 
 
-def check_same_optimizer_split(point: ResumePoint, muon_params: list[str]) -> None:
-    """The optimizer state of a checkpoint fits only the parameter split that wrote it: which tensors are on Muon
-    and which on AdamW (`muon_params`, this run's, in parameter order). Another split -- another
-    training.optimizer, or a checkpoint from before the split changed -- would fail inside torch or DeepSpeed with a
-    size mismatch; it is refused here naming the tensors that moved. A checkpoint that records no split (written
-    before it was recorded) is not checked here: Engine.load_state turns its failure into one line."""
-    if point.muon_params is None or list(point.muon_params) == list(muon_params):
+def check_same_optimizer_split(point: ResumePoint, split: dict[str, list[str]]) -> None:
+    """A checkpoint's optimizer state fits only the split that wrote it: which trainable tensors Muon holds and
+    which AdamW (`split`, this run's: optim.optimizer_split). Another split (another training.optimizer, another
+    trainable set such as drafter.embed_requires_grad, or a checkpoint from before the split changed) would fail
+    inside torch or DeepSpeed with a size mismatch, or load moments into the wrong tensors; it is refused here
+    naming the tensors that differ. A checkpoint that records no split (written before it was recorded) passes."""
+    saved = point.optimizer_split
+    if saved is None or saved == split:
         return
-    to_adamw = [name for name in point.muon_params if name not in muon_params]
-    to_muon = [name for name in muon_params if name not in point.muon_params]
-    moved = "; ".join(part for part in (_moved(to_adamw, "Muon", "AdamW"), _moved(to_muon, "AdamW", "Muon")) if part)
+    moved = [f"{name} ({_half(saved, name)} there, {_half(split, name)} here)"
+             for name in dict.fromkeys([*saved["muon"], *saved["adamw"], *split["muon"], *split["adamw"]])
+             if _half(saved, name) != _half(split, name)]
+    shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
     raise PipelineError(f"training.optimizer: checkpoint '{point.folder}' holds optimizer state for another "
-                        f"parameter split ({moved or 'the same tensors in another order'}); it cannot be resumed "
-                        "here: train afresh (remove its run folder, or name another training.resume_from)")
+                        f"parameter split: {shown or 'the same tensors in another order'}; its optimizer state "
+                        "cannot be resumed by this run")
 
 
-def _moved(names: list[str], there: str, here: str, shown: int = 3) -> str:
-    if not names:
-        return ""
-    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-    return f"{listed} on {there} there, on {here} here"
+def _half(split: dict[str, list[str]], name: str) -> str:
+    return "Muon" if name in split["muon"] else "AdamW" if name in split["adamw"] else "not trained"
 
 
 def _is_complete(folder: Path) -> bool:

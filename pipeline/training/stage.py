@@ -23,9 +23,11 @@ from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
 from pipeline.training.loop import train_loop_per_worker
+from pipeline.training.optim import planned_optimizer_split
 from pipeline.training.resume import (
     check_optimizer_carries_over,
     check_same_data_order,
+    check_same_optimizer_split,
     latest_complete_checkpoint,
     read_resume_point,
 )
@@ -120,6 +122,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         check_same_data_order(point, training)
         check_optimizer_carries_over(point, training, training.num_workers,
                                      deepspeed.zero_stage if deepspeed.enabled else -1)
+        check_same_optimizer_split(point, planned_optimizer_split(spec, training))
         if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
             log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
                         "among the run's checkpoints is not made again)", resume_from, point.step,

@@ -114,34 +114,53 @@ def _saved_state(engine: Engine, folder: Path, **recorded) -> ResumePoint:
 
 def test_a_resume_with_another_optimizer_is_refused_naming_the_tensors_that_moved(tmp_path: Path):
     adamw = Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2)
-    assert adamw.muon_params == []
-    point = _saved_state(adamw, tmp_path, muon_params=adamw.muon_params)
+    assert adamw.optimizer_split["muon"] == [] and "mask_hidden" in adamw.optimizer_split["adamw"]
+    point = _saved_state(adamw, tmp_path, optimizer_split=adamw.optimizer_split)
     muon = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
-    assert "fc.weight" in muon.muon_params and "mask_hidden" not in muon.muon_params
-    with pytest.raises(PipelineError, match=r"^training\.optimizer: checkpoint .* another parameter split "
-                                            r"\(fc\.weight, .* on AdamW there, on Muon here\)"):
+    with pytest.raises(PipelineError, match=r"^training\.optimizer: checkpoint .* another parameter split: "
+                                            r"fc\.weight \(AdamW there, Muon here\), .* and \d+ more;"):
         muon.load_state(point, tmp_path / "scratch")
 
 
-def test_a_muon_state_of_another_split_is_refused_before_torch_reads_it(tmp_path: Path):
-    """A Muon checkpoint whose split put one more tensor on Muon (DeepSpeed's own tagging did, before the split
-    was ours): refused by name, not by a size mismatch inside the optimizer."""
+def test_a_resume_that_trains_another_set_of_tensors_is_refused_naming_them(tmp_path: Path):
+    """The split covers AdamW's half too: a run that also trains the embedding (drafter.embed_requires_grad,
+    outside the drafter identity a resume checks) cannot take the checkpoint's AdamW moments."""
     engine = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
-    point = _saved_state(engine, tmp_path, muon_params=[*engine.muon_params, "mask_hidden"])
-    resumed = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
-    with pytest.raises(PipelineError, match=r"\(mask_hidden on Muon there, on AdamW here\)"):
+    point = _saved_state(engine, tmp_path, optimizer_split=engine.optimizer_split)
+    embedding_too = tiny_drafter("peagle")
+    embedding_too.embed_tokens.requires_grad_(True)
+    resumed = Engine(embedding_too, MUON, NO_DEEPSPEED, micro_batch=2)
+    with pytest.raises(PipelineError, match=r"another parameter split: embed_tokens\.weight "
+                                            r"\(not trained there, AdamW here\);"):
         resumed.load_state(point, tmp_path / "scratch")
 
 
-def test_a_state_that_records_no_split_and_does_not_fit_fails_in_one_line_naming_the_cause(tmp_path: Path):
-    point = _saved_state(Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2), tmp_path)
-    muon = Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2)
+def test_a_state_that_records_no_split_and_does_not_fit_is_refused_in_one_line(tmp_path: Path):
+    """A checkpoint from before the split was recorded: torch's own check of the group sizes, as one line."""
+    fc_on_adamw = tiny_drafter("peagle")  # as DeepSpeed's own tagging once moved tensors between the halves
+    fc_on_adamw.vocabulary_matrices = (*fc_on_adamw.vocabulary_matrices, "fc.")
+    point = _saved_state(Engine(fc_on_adamw, MUON, NO_DEEPSPEED, micro_batch=2), tmp_path)  # no split recorded
     with pytest.raises(PipelineError) as error:
-        muon.load_state(point, tmp_path / "scratch")
+        Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2).load_state(point, tmp_path / "scratch")
     message = str(error.value)
     assert message.startswith("training.optimizer: checkpoint") and "\n" not in message
-    assert "records no optimizer split" in message
-    assert "RuntimeError: checkpoint" in message and "holds 1 optimizer states" in message
+    assert "another parameter split (loaded state dict contains a parameter group that doesn't match" in message
+    adamw_state = _saved_state(Engine(tiny_drafter("peagle"), TRAINING, NO_DEEPSPEED, micro_batch=2),
+                               tmp_path / "adamw")
+    with pytest.raises(PipelineError, match="holds 1 optimizer states, this run's training.optimizer has 2"):
+        Engine(tiny_drafter("peagle"), MUON, NO_DEEPSPEED, micro_batch=2).load_state(adamw_state, tmp_path / "s")
+
+
+def test_the_driver_plans_the_split_the_workers_build(tmp_path: Path):
+    """The train stage checks a resume's split before any worker starts, from the drafter built on the meta
+    device: it must be the split the engine then builds, for every drafter and both optimizers."""
+    from pipeline.training.optim import optimizer_split, planned_optimizer_split
+
+    for algorithm in ("eagle3", "peagle", "dflash", "dspark", "dflash2"):
+        model = tiny_drafter(algorithm)
+        for training in (TRAINING, MUON):
+            assert planned_optimizer_split(model.spec, training) == optimizer_split(model, training)
+        assert optimizer_split(model, MUON)["muon"]  # the matrices
 
 
 def run_single_rank(script: str, port: int, *args: str) -> dict:
@@ -231,17 +250,29 @@ first = [step(engine) for _ in range(3)]
 save_checkpoint(folder, engine.module, {"step": 3})
 engine.save_state(folder)
 uninterrupted = [step(engine) for _ in range(3)]
+point = ResumePoint(folder, step=3, global_batch=2, world_size=1, zero_stage=2, uses_deepspeed=True,
+                    token_budget=0, val_samples=0, optimizer_split=engine.optimizer_split)
 resumed = Engine(tiny_drafter("dspark"), training, zero2, micro_batch=2)
-resumed.load_state(ResumePoint(folder, step=3, global_batch=2, world_size=1, zero_stage=2, uses_deepspeed=True,
-                               token_budget=0, val_samples=0), folder / "scratch")
-print(json.dumps({"first": first, "uninterrupted": uninterrupted, "resumed": [step(resumed) for _ in range(3)]}))
+resumed.load_state(point, folder / "scratch")
+resumed_losses = [step(resumed) for _ in range(3)]
+adamw = Engine(tiny_drafter("dspark"), dataclasses.replace(training, optimizer="adamw"), zero2, micro_batch=2)
+try:
+    adamw.load_state(point, folder / "scratch-adamw")
+    refused = ""
+except PipelineError as error:
+    refused = str(error)
+print(json.dumps({"first": first, "uninterrupted": uninterrupted, "resumed": resumed_losses, "refused": refused}))
 """
 
 
 def test_deepspeed_muon_resumes_the_same_curve_from_its_checkpoint(tmp_path: Path):
     """Our MuonWithAuxAdam is a client optimizer to DeepSpeed: its two halves' states (Muon's momentum, Adam's
     moments) go into the ZeRO-2 checkpoint and come back, so a resumed run takes the steps the uninterrupted one
-    took (the first loss after the resume reads only the weights; the next two read the optimizer's state)."""
+    took (the first loss after the resume reads only the weights; the next two read the optimizer's state). The
+    split the checkpoint records refuses an AdamW engine by name."""
     result = run_single_rank(DEEPSPEED_MUON_RESUME, 29619, str(tmp_path))
     assert result["first"][-1] < result["first"][0]  # it trains
     assert result["resumed"] == pytest.approx(result["uninterrupted"], abs=1e-5)
+    # the recorded split refuses an AdamW engine before DeepSpeed reads the Muon state
+    assert result["refused"].startswith("training.optimizer: checkpoint")
+    assert "fc.weight (Muon there, AdamW here)" in result["refused"]

@@ -152,8 +152,6 @@ def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
 def test_bad_serving_settings_are_refused_by_name(tmp_path):
     with pytest.raises(PipelineError, match="serving.model"):
         validate(compose([f"paths.root={tmp_path}", "serving.model=champion"]))
-    with pytest.raises(PipelineError, match="serving.accelerator"):
-        validate(compose([f"paths.root={tmp_path}", "serving.accelerator=tpu"]))
 
 
 def register_speculator(tracker, tmp_path, algorithm, tags):
