@@ -96,6 +96,15 @@ class PromptSource(StrEnum):
     hub = "hub"
 
 
+class DistillTarget(StrEnum):
+    """What a draft learns from the verifier (pipeline/losses/distill.py: distill_hidden_rows): its next-token
+    "distribution" (soft cross-entropy, KL up to a constant) or its greedy token ("argmax": cross-entropy on it,
+    speculators' `ce` loss). The EAGLE family and the block drafters each offer it."""
+
+    distribution = "distribution"
+    argmax = "argmax"
+
+
 # The metric that picks a run's final checkpoint. Its values hold a dot, so the members are named by their values
 # (OmegaConf reads a choice by member name).
 SelectionMetric = StrEnum("SelectionMetric", {"val.proxy_tau": "val.proxy_tau", "val.tau": "val.tau"},

@@ -149,26 +149,32 @@ def chain_loss(model: EagleFamilyDrafter, samples: list[dict[str, torch.Tensor]]
     unique_pos, teacher_rows = torch.unique(flat_pos, return_inverse=True)  # [U], [N]
     teacher_hidden = last.reshape(-1, last.shape[-1])[unique_pos]  # [U, H]
     student_hidden = hidden[batch_index, row_index]  # [N, H]; the head's [N, Vd] logits are computed blockwise
+    target = str(options.distill_target)
     if model.draft_ids is not None and not count_matches:
-        return draft_vocab_loss(model, student_hidden, teacher_hidden, teacher_rows)
+        return draft_vocab_loss(model, student_hidden, teacher_hidden, teacher_rows, target)
     with torch.no_grad():
         teacher = model.teacher_logits(teacher_hidden)  # [U, V]
-    return distill_hidden_rows(model, student_hidden, teacher, row_depth, teacher_rows=teacher_rows)[:3]
+    return distill_hidden_rows(model, student_hidden, teacher, row_depth, teacher_rows=teacher_rows,
+                               target=target)[:3]
 
 
 def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
-                     teacher_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     teacher_rows: torch.Tensor, target: str = "distribution",
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distillation loss of a pruned drafter without the greedy-match counts (returned as zeros [K]).
 
     The target is the verifier's distribution renormalised over the draft vocabulary, whose logits are the frozen
     LM head's rows (the verifier's rows of the draft tokens): [U, Vd] instead of the verifier's [U, V]. Only the
     counts need the full vocabulary's argmax, so steps that log no metrics skip it (training_loss(count_matches=False)).
     student_hidden [N, H] the drafter's rows, teacher_hidden [U, H] post-norm verifier states, teacher_rows [N] ->
-    index into U.
+    index into U. target: as in distill_hidden_rows ("argmax": one-hot on the greedy draft-vocabulary token).
     """
     with torch.no_grad():
         teacher_logits = soft_cap(model.lm_head(teacher_hidden).float(), model.spec.verifier_logit_softcap)
-        teacher_probs = F.softmax(teacher_logits, dim=-1)  # [U, Vd]
+        if target == "argmax":
+            teacher_probs = F.one_hot(teacher_logits.argmax(dim=-1), teacher_logits.shape[-1]).float()  # [U, Vd]
+        else:
+            teacher_probs = F.softmax(teacher_logits, dim=-1)  # [U, Vd]
     loss, _, _ = model.lm_head(student_hidden, teacher_probs, teacher_rows)
     zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student_hidden.device)
     return loss, zeros, zeros.clone()

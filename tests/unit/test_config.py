@@ -104,7 +104,7 @@ def test_semantic_validation_names_the_field(override, field):
     ("eagle3", "markov_rank=8"),  # DSpark's
     ("eagle3", "mask_token_id=3"),  # P-EAGLE's
     ("peagle", "norm_output=true"),  # EAGLE-3's: vLLM's P-EAGLE ignores it
-    ("peagle", "distill_target=argmax"),  # the block drafters'
+    ("peagle", "position_weighting=dpace"),  # the block drafters'
     ("dflash", "embed_requires_grad=true"),  # DFlash's export takes the verifier's embedding
     ("dflash", "markov_rank=8"),
     ("dspark", "norm_before_fc=true"),

@@ -286,16 +286,18 @@ def test_eagle3_ttt_does_not_depend_on_the_rows_being_ordered_by_depth():
     torch.testing.assert_close(unordered, ordered[:, shuffled], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("distill_target", ["distribution", "argmax"])
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
-def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_matches(algorithm):
+def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_matches(algorithm, distill_target):
     """Training steps that log nothing skip the verifier's full-vocabulary logits: the loss and its gradients are
-    the same as with the counts (the draft vocabulary's teacher logits are the frozen head's rows); the counts
-    come back as zeros."""
+    the same as with the counts (the draft vocabulary's teacher logits are the frozen head's rows), for either
+    target; the counts come back as zeros."""
     kept = list(range(0, VOCAB, 2))
+    options = tiny_options(algorithm, distill_target=distill_target)
     results = []
     for count_matches in (True, False):
         model = tiny_drafter(algorithm, draft_token_ids=kept)
-        loss, correct, total = model.training_loss(tiny_samples(), tiny_options(algorithm),
+        loss, correct, total = model.training_loss(tiny_samples(), options,
                                                    torch.Generator().manual_seed(3), count_matches=count_matches)
         loss.backward()
         results.append((loss.detach(), model.fc.weight.grad.clone(), correct, total))
@@ -303,6 +305,20 @@ def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_match
     torch.testing.assert_close(fast_loss, loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast_grad, grad, rtol=1e-4, atol=1e-7)
     assert total.sum() > 0 and fast_total.sum() == 0 and fast_correct.sum() == 0
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_an_eagle_drafter_can_learn_the_verifiers_greedy_token_alone(algorithm):
+    """drafter.distill_target=argmax reaches the chain's loss (cross-entropy on the verifier's greedy token, pinned
+    in test_losses): the loss changes, the same model's greedy-match counts do not."""
+    losses, counts = {}, {}
+    for target in ("distribution", "argmax"):
+        model = tiny_drafter(algorithm)
+        loss, correct, total = model.training_loss(tiny_samples(), tiny_options(algorithm, distill_target=target),
+                                                   torch.Generator().manual_seed(3))
+        losses[target], counts[target] = loss.item(), (correct.tolist(), total.tolist())
+    assert abs(losses["argmax"] - losses["distribution"]) > 1e-3
+    assert counts["argmax"] == counts["distribution"]
 
 
 def test_dpace_weights_each_draft_by_the_acceptance_it_can_still_add():

@@ -6,17 +6,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Optional
 
-from pipeline.config.schema import DrafterConfig
+from pipeline.config.schema import DistillTarget, DrafterConfig
 
 
 class PositionWeighting(StrEnum):
     decay = "decay"
     dpace = "dpace"
-
-
-class DistillTarget(StrEnum):
-    distribution = "distribution"
-    argmax = "argmax"
 
 
 @dataclass

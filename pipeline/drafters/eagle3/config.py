@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Self
 
-from pipeline.config.schema import DrafterConfig
+from pipeline.config.schema import DistillTarget, DrafterConfig
 
 
 @dataclass
@@ -22,6 +22,9 @@ class EagleFamilyConfig(DrafterConfig):
     # depth_keep_decay**d of the anchors, nested, so the first drafts weigh more in the loss and a step has fewer
     # rows. 1.0 keeps every depth of every anchor (EAGLE-3's training-time test as speculators runs it).
     depth_keep_decay: float = 1.0
+    # Greedy verification accepts a draft when it is the verifier's argmax: "argmax" trains on that token alone
+    # (speculators' `ce`), "distribution" on the verifier's whole next-token distribution (its `kl_div`, the default).
+    distill_target: DistillTarget = DistillTarget.distribution
 
     def deterministic(self) -> Self:
         return replace(super().deterministic(), depth_keep_decay=1.0)
