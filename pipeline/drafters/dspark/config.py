@@ -10,8 +10,9 @@ from pipeline.drafters.dflash.config import DFlashConfig
 @dataclass
 class DSparkConfig(DFlashConfig):
     name: str = "dspark"
-    # Rank of the Markov (previous-token) logit bias.
-    markov_rank: int = 64
+    # Rank of the Markov (previous-token) logit bias: speculators' CLI default, 1.01-1.03 of rank 64 in tau
+    # (benchmarks/results/versus_speculators.json).
+    markov_rank: int = 256
     # Weight of the confidence head's loss (the head truncates the block at decoding time,
     # evaluation.confidence_threshold).
     confidence_loss_weight: float = 1.0
