@@ -76,7 +76,7 @@ class DSparkDrafter(DFlashDrafter):
 
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec, init_std)
-        rank = int(spec.extra.get("markov_rank", 64))
+        rank = int(spec.extra["markov_rank"])  # an extra_key: every spec of a DSpark carries it
         self.markov_head = MarkovHead(spec.vocab_size, spec.draft_vocab_size, rank)
         self.confidence_head = ConfidenceHead(spec.hidden_size + rank)
         self.confidence_threshold = float(spec.extra.get("confidence_threshold", 0.0))
