@@ -308,7 +308,7 @@ def test_a_pruned_drafter_has_the_same_loss_and_gradients_without_counting_match
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
-def test_an_eagle_drafter_can_learn_the_verifiers_greedy_token_alone(algorithm):
+def test_an_eagle_drafters_distill_target_changes_its_loss_not_its_counts(algorithm):
     """drafter.distill_target=argmax reaches the chain's loss (cross-entropy on the verifier's greedy token, pinned
     in test_losses): the loss changes, the same model's greedy-match counts do not."""
     losses, counts = {}, {}
