@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config.schema import DrafterConfig
@@ -20,7 +19,7 @@ from pipeline.drafters.eagle3.config import EagleFamilyConfig
 from pipeline.drafters.layers import EagleDecoderLayer, additive_mask, build_norm, build_rotary
 from pipeline.drafters.spec import DrafterSpec
 from pipeline.errors import PipelineError
-from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack
+from pipeline.losses.distill import distill_hidden_rows, on_model_device, pad_stack, teacher_targets
 
 
 class EagleFamilyDrafter(DrafterBase):
@@ -171,10 +170,7 @@ def draft_vocab_loss(model: EagleFamilyDrafter, student_hidden: torch.Tensor, te
     """
     with torch.no_grad():
         teacher_logits = soft_cap(model.lm_head(teacher_hidden).float(), model.spec.verifier_logit_softcap)
-        if target == "argmax":
-            teacher_probs = F.one_hot(teacher_logits.argmax(dim=-1), teacher_logits.shape[-1]).float()  # [U, Vd]
-        else:
-            teacher_probs = F.softmax(teacher_logits, dim=-1)  # [U, Vd]
+        teacher_probs = teacher_targets(teacher_logits, target)  # [U, Vd]
     loss, _, _ = model.lm_head(student_hidden, teacher_probs, teacher_rows)
     zeros = torch.zeros(model.spec.num_speculative_tokens, dtype=torch.long, device=student_hidden.device)
     return loss, zeros, zeros.clone()

@@ -19,6 +19,14 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor
     return (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
+def teacher_targets(teacher_draft_logits: torch.Tensor, target: str = "distribution") -> torch.Tensor:
+    """[U, Vd] target rows from the verifier's draft-vocabulary logits [U, Vd]: its softmax ("distribution") or a
+    one-hot on its argmax ("argmax", speculators' `ce`); the schema's DistillTarget admits only these two."""
+    if target == "argmax":
+        return F.one_hot(teacher_draft_logits.argmax(dim=-1), teacher_draft_logits.shape[-1]).float()
+    return F.softmax(teacher_draft_logits.float(), dim=-1)
+
+
 def per_depth_counts(match: torch.Tensor, depths: torch.Tensor,
                      num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(correct [K], total [K]) greedy-match counts per draft depth; raw counts, to be reduced then divided."""
@@ -64,11 +72,7 @@ def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Te
     target: "distribution" distils the verifier's next-token distribution (soft cross-entropy, KL up to a
     constant); "argmax" its greedy token (cross-entropy on the argmax over the draft vocabulary: speculators'
     `ce` loss, its DFlash default). weights: [N], or a function of the rows' losses (pipeline.losses.blockwise)."""
-    teacher_draft = model.to_draft_vocab(teacher_full).float()  # [U, Vd]
-    if target == "argmax":
-        teacher_probs = F.one_hot(teacher_draft.argmax(dim=-1), teacher_draft.shape[-1]).float()
-    else:
-        teacher_probs = F.softmax(teacher_draft, dim=-1)
+    teacher_probs = teacher_targets(model.to_draft_vocab(teacher_full).float(), target)  # [U, Vd]
     teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
     if teacher_rows is not None:
         teacher_argmax = teacher_argmax[teacher_rows]
