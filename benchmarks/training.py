@@ -20,6 +20,15 @@
         size, per worker, and the 2-worker / 1-worker scaling. --override passes the Hydra overrides the store
         under DIR was made with (if any), so the runs find it.
         Default FILE: benchmarks/results/training_throughput.json.
+
+    python benchmarks/training.py feed --root DIR [--rows 4000] [--consume 150] [--step-seconds 0.25] [--repeats 2]
+                                       [--out FILE]
+        The training feed (pipeline/training/feed.py) on DIR's store as a training worker holds it: a plan of --rows
+        micro-batches of one sample each, taken by a Ray task that sleeps --step-seconds before each micro-batch
+        as a training step would. Reports the CPU seconds that task's process spends per micro-batch (reading the
+        store, and Ray Data's executor thread) and the waits for the next micro-batch, for the whole plan as one
+        stream (what the feed did before its windows) and in the feed's default windows, alternating --repeats
+        times. Default FILE: benchmarks/results/feed_overhead.json.
 """
 
 from __future__ import annotations
@@ -423,6 +432,64 @@ def throughput(args) -> dict:
     return results
 
 
+def feed_run(store: Path, locations: list[dict], rows: int, consume: int, step_seconds: float,
+             window: int) -> dict:
+    """One worker-like consumer of the feed, in a Ray task: CPU seconds per micro-batch and the waits."""
+    import ray
+
+    from pipeline.drafters.build import default_aux_layer_ids
+    from pipeline.training.feed import plan_row, stream_micro_batches
+
+    plan = [plan_row(i + 1, 0, [locations[i % len(locations)]]) for i in range(rows)]
+    manifest = json.loads((store / "manifest.json").read_text())
+    aux_layer_ids = default_aux_layer_ids("eagle3", int(manifest["num_verifier_layers"]))  # what EAGLE-3 reads
+
+    @ray.remote(num_cpus=0)
+    def consumer() -> dict:
+        stream = stream_micro_batches(plan, str(store), aux_layer_ids, manifest["layer_ids"][-1], prefetch=2,
+                                      window=window)
+        next(stream)  # the first micro-batch pays the stream's start, as a run's first step does
+        cpu, wall, waits = time.process_time(), time.perf_counter(), []
+        for _ in range(consume):
+            time.sleep(step_seconds)
+            started = time.perf_counter()
+            next(stream)
+            waits.append(time.perf_counter() - started)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        return {"cpu_s_per_micro_batch": round(cpu / consume, 4), "busy_cores": round(cpu / wall, 3),
+                "waited_s": round(sum(waits), 3), "longest_wait_s": round(max(waits), 3)}
+
+    return ray.get(consumer.remote())
+
+
+def feed(args) -> dict:
+    import ray
+
+    from pipeline.data.store import load_manifest, sample_locations
+    from pipeline.training.feed import WINDOW_MICRO_BATCHES
+
+    stores = sorted(Path(args.root).expanduser().resolve().glob("stores/*/manifest.json"))
+    if not stores:
+        raise SystemExit(f"--root {args.root}: has no stores/*/manifest.json; make one with "
+                         f"`python jobs/run_pipeline.py paths.root={args.root}`")
+    store = stores[0].parent
+    locations = sample_locations(store, load_manifest(store))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    modes = {"one_stream": args.rows, "windows": WINDOW_MICRO_BATCHES}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for _ in range(args.repeats):
+        for mode, window in modes.items():
+            runs[mode].append(feed_run(store, locations, args.rows, args.consume, args.step_seconds, window))
+            print(f"[feed] {mode}: {json.dumps(runs[mode][-1])}", file=sys.stderr, flush=True)
+    ray.shutdown()
+    median = {mode: statistics.median(run["cpu_s_per_micro_batch"] for run in results)
+              for mode, results in runs.items()}
+    return {"machine": machine_info(), "store": str(store), "rows": args.rows, "consumed": args.consume,
+            "step_seconds": args.step_seconds, "window": WINDOW_MICRO_BATCHES, "runs": runs,
+            "median_cpu_s_per_micro_batch": median,
+            "windows_over_one_stream": round(median["windows"] / median["one_stream"], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -444,14 +511,22 @@ def main() -> None:
                          help="more Hydra overrides for every run (those the store under --root was made with)")
     scaling.add_argument("--timeout", type=int, default=3600, help="seconds per jobs/train.py run")
     scaling.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "training_throughput.json"))
+    feeding = sub.add_parser("feed", help="CPU the training feed spends per micro-batch, one stream vs windows")
+    feeding.add_argument("--root", required=True, help="a pipeline output root holding a generated store")
+    feeding.add_argument("--rows", type=int, default=4000, help="micro-batches planned (a long run's worth)")
+    feeding.add_argument("--consume", type=int, default=150, help="micro-batches taken and timed")
+    feeding.add_argument("--step-seconds", type=float, default=0.25, help="the stand-in training step")
+    feeding.add_argument("--repeats", type=int, default=2)
+    feeding.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "feed_overhead.json"))
     args = parser.parse_args()
-    counts = ("length", "repeats", "num_speculative_tokens") if args.command == "step-time" else ("steps", "timeout")
+    counts = {"step-time": ("length", "repeats", "num_speculative_tokens"), "throughput": ("steps", "timeout"),
+              "feed": ("rows", "consume", "repeats")}[args.command]
     for flag in counts:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if Path(args.out).is_dir():
         parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
-    result = step_time(args) if args.command == "step-time" else throughput(args)
+    result = {"step-time": step_time, "throughput": throughput, "feed": feed}[args.command](args)
     out = write_json(result, args.out)
     print(json.dumps(result, indent=2))
     print(f"written to {out}", file=sys.stderr)

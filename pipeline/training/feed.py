@@ -76,9 +76,23 @@ def plan_row(step: int, micro: int, locations: list[dict]) -> dict:
             "starts": [w["start"] for w in locations], "ends": [w["end"] for w in locations]}
 
 
+# Micro-batches per Ray Data stream. Ray Data's streaming executor (ray 2.60) polls without sleeping while its
+# output is backpressured and no read task runs, so one stream for a whole run (more samples than the object-store
+# budget) kept about two thirds of a core busy per worker beside training: on 2 cores P-EAGLE's steps took 1.9 s
+# instead of 0.9 (benchmarks/results/feed_overhead.json). A window's executor finishes once the window is read.
+WINDOW_MICRO_BATCHES = 64
+
+
 def stream_micro_batches(plan: list[dict], store_dir: str, aux_layer_ids: list[int], last_layer_id: int,
-                         prefetch: int) -> Iterator[dict]:
-    """Yield {step, micro, samples} for each row of `plan` (plan_row), in order."""
+                         prefetch: int, window: int = WINDOW_MICRO_BATCHES) -> Iterator[dict]:
+    """Yield {step, micro, samples} for each row of `plan` (plan_row), in order, `window` rows per Ray Data
+    stream."""
+    for start in range(0, len(plan), window):
+        yield from _stream_window(plan[start:start + window], store_dir, aux_layer_ids, last_layer_id, prefetch)
+
+
+def _stream_window(plan: list[dict], store_dir: str, aux_layer_ids: list[int], last_layer_id: int,
+                   prefetch: int) -> Iterator[dict]:
     import ray.data
 
     context = ray.data.DataContext.get_current()

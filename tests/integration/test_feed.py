@@ -1,4 +1,5 @@
-"""The Ray Data stream of micro-batches returns exactly the planned samples, in the planned order."""
+"""The Ray Data stream of micro-batches returns exactly the planned samples, in the planned order, in windows
+or as one stream."""
 
 from __future__ import annotations
 
@@ -28,8 +29,14 @@ def test_the_stream_holds_the_planned_samples_in_the_planned_order(tmp_path, ray
     plan = [plan_row(step, micro, [locations[i] for i in ids]) for step, micro, ids in plan_ids]
 
     streamed = list(stream_micro_batches(plan, str(tmp_path), [1, 2], 4, prefetch=2))
+    # windows of 3 rows: two Ray Data streams, one cut between the micro-batches of step 2
+    windowed = list(stream_micro_batches(plan, str(tmp_path), [1, 2], 4, prefetch=2, window=3))
 
     assert [(row["step"], row["micro"]) for row in streamed] == [(s, m) for s, m, _ in plan_ids]
+    assert [(row["step"], row["micro"]) for row in windowed] == [(s, m) for s, m, _ in plan_ids]
+    for one, other in zip(streamed, windowed):
+        for mine, theirs in zip(one["samples"], other["samples"], strict=True):
+            assert all(torch.equal(mine[key], theirs[key]) for key in ("input_ids", "loss_mask", "aux", "last"))
     for row, (_, _, ids) in zip(streamed, plan_ids):
         assert len(row["samples"]) == len(ids)
         for got, index in zip(row["samples"], ids):
