@@ -21,6 +21,6 @@ def test_every_gpu_path_of_capture_training_and_decoding_works(tmp_path, smollm2
     failed = {k: v.get("error", v) for k, v in report.items() if isinstance(v, dict) and not v.get("ok")}
     assert result.returncode == 0 and report.get("all_ok"), (failed, result.stderr[-3000:])
     assert report["capture"]["gpu_vs_cpu_max_rel_diff"] < 1e-3
-    for drafter in ("eagle3", "peagle", "dflash", "dspark"):
+    for drafter in ("eagle3", "peagle", "dflash", "dspark", "dflash2"):  # gpu_check.DRAFTERS
         assert report[f"decode-{drafter}"]["mismatched_prompts"] == 0
         assert report[f"train-{drafter}"]["autocast"] == "torch.bfloat16"
