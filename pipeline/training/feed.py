@@ -78,8 +78,8 @@ def plan_row(step: int, micro: int, locations: list[dict]) -> dict:
 
 # Micro-batches per Ray Data stream. Ray Data's streaming executor (ray 2.60) polls without sleeping while its
 # output is backpressured and no read task runs, so one stream for a whole run (more samples than the object-store
-# budget) kept about two thirds of a core busy per worker beside training: on 2 cores P-EAGLE's steps took 1.9 s
-# instead of 0.9 (benchmarks/results/feed_overhead.json). A window's executor finishes once the window is read.
+# budget) kept 0.92 of a core busy per worker beside training, 0.13 in windows (benchmarks/results/feed_overhead.json):
+# on 2 cores quality_cpu's P-EAGLE steps took 1.9 s instead of 1.0. A window's executor finishes once it is read.
 WINDOW_MICRO_BATCHES = 64
 
 
