@@ -432,22 +432,17 @@ def throughput(args) -> dict:
     return results
 
 
-def feed_run(store: Path, locations: list[dict], rows: int, consume: int, step_seconds: float,
+def feed_run(store: Path, plan: list[dict], layers: tuple[list[int], int], consume: int, step_seconds: float,
              window: int) -> dict:
-    """One worker-like consumer of the feed, in a Ray task: CPU seconds per micro-batch and the waits."""
+    """One worker-like consumer of the feed, in a Ray task: CPU seconds per micro-batch and the waits.
+    layers: (aux layer ids, last layer id) read from the store."""
     import ray
 
-    from pipeline.drafters.build import default_aux_layer_ids
-    from pipeline.training.feed import plan_row, stream_micro_batches
-
-    plan = [plan_row(i + 1, 0, [locations[i % len(locations)]]) for i in range(rows)]
-    manifest = json.loads((store / "manifest.json").read_text())
-    aux_layer_ids = default_aux_layer_ids("eagle3", int(manifest["num_verifier_layers"]))  # what EAGLE-3 reads
+    from pipeline.training.feed import stream_micro_batches
 
     @ray.remote(num_cpus=0)
     def consumer() -> dict:
-        stream = stream_micro_batches(plan, str(store), aux_layer_ids, manifest["layer_ids"][-1], prefetch=2,
-                                      window=window)
+        stream = stream_micro_batches(plan, str(store), *layers, prefetch=2, window=window)
         next(stream)  # the first micro-batch pays the stream's start, as a run's first step does
         cpu, wall, waits = time.process_time(), time.perf_counter(), []
         for _ in range(consume):
@@ -466,20 +461,25 @@ def feed(args) -> dict:
     import ray
 
     from pipeline.data.store import load_manifest, sample_locations
-    from pipeline.training.feed import WINDOW_MICRO_BATCHES
+    from pipeline.drafters.build import default_aux_layer_ids
+    from pipeline.training.feed import WINDOW_MICRO_BATCHES, plan_row
 
     stores = sorted(Path(args.root).expanduser().resolve().glob("stores/*/manifest.json"))
     if not stores:
         raise SystemExit(f"--root {args.root}: has no stores/*/manifest.json; make one with "
                          f"`python jobs/run_pipeline.py paths.root={args.root}`")
     store = stores[0].parent
-    locations = sample_locations(store, load_manifest(store))
+    manifest = load_manifest(store)
+    locations = sample_locations(store, manifest)
+    plan = [plan_row(i + 1, 0, [locations[i % len(locations)]]) for i in range(args.rows)]
+    # the layers EAGLE-3 reads, and the last one for its targets
+    layers = (default_aux_layer_ids("eagle3", int(manifest["num_verifier_layers"])), manifest["layer_ids"][-1])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     modes = {"one_stream": args.rows, "windows": WINDOW_MICRO_BATCHES}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(args.repeats):
         for mode, window in modes.items():
-            runs[mode].append(feed_run(store, locations, args.rows, args.consume, args.step_seconds, window))
+            runs[mode].append(feed_run(store, plan, layers, args.consume, args.step_seconds, window))
             print(f"[feed] {mode}: {json.dumps(runs[mode][-1])}", file=sys.stderr, flush=True)
     ray.shutdown()
     median = {mode: statistics.median(run["cpu_s_per_micro_batch"] for run in results)

@@ -72,7 +72,7 @@ def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Te
     target: "distribution" distils the verifier's next-token distribution (soft cross-entropy, KL up to a
     constant); "argmax" its greedy token (cross-entropy on the argmax over the draft vocabulary: speculators'
     `ce` loss, its DFlash default). weights: [N], or a function of the rows' losses (pipeline.losses.blockwise)."""
-    teacher_probs = teacher_targets(model.to_draft_vocab(teacher_full).float(), target)  # [U, Vd]
+    teacher_probs = teacher_targets(model.to_draft_vocab(teacher_full), target)  # [U, Vd]
     teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
     if teacher_rows is not None:
         teacher_argmax = teacher_argmax[teacher_rows]

@@ -78,8 +78,9 @@ def plan_row(step: int, micro: int, locations: list[dict]) -> dict:
 
 # Micro-batches per Ray Data stream. Ray Data's streaming executor (ray 2.60) polls without sleeping while its
 # output is backpressured and no read task runs, so one stream for a whole run (more samples than the object-store
-# budget) kept 0.92 of a core busy per worker beside training, 0.13 in windows (benchmarks/results/feed_overhead.json):
-# on 2 cores quality_cpu's P-EAGLE steps took 1.9 s instead of 1.0. A window's executor finishes once it is read.
+# budget) kept 0.92 of a core busy per worker beside training, 0.13 in windows
+# (benchmarks/results/feed_overhead.json): on 2 cores quality_cpu's P-EAGLE steps took 1.9 s instead of 1.0.
+# A window's executor finishes once its window is read.
 WINDOW_MICRO_BATCHES = 64
 
 
@@ -87,6 +88,11 @@ def stream_micro_batches(plan: list[dict], store_dir: str, aux_layer_ids: list[i
                          prefetch: int, window: int = WINDOW_MICRO_BATCHES) -> Iterator[dict]:
     """Yield {step, micro, samples} for each row of `plan` (plan_row), in order, `window` rows per Ray Data
     stream."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()  # the process's context: every window's stream reads it
+    context.execution_options.preserve_order = True  # the plan's order is the run's data order
+    context.enable_progress_bars = False  # the training progress bar is the one to watch
     for start in range(0, len(plan), window):
         yield from _stream_window(plan[start:start + window], store_dir, aux_layer_ids, last_layer_id, prefetch)
 
@@ -95,9 +101,6 @@ def _stream_window(plan: list[dict], store_dir: str, aux_layer_ids: list[int], l
                    prefetch: int) -> Iterator[dict]:
     import ray.data
 
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True  # the plan's order is the run's data order
-    context.enable_progress_bars = False  # the training progress bar is the one to watch
     dataset = ray.data.from_items(plan, override_num_blocks=max(1, min(len(plan), 64)))
     # num_cpus=0: the reader is light I/O and the training workers already hold every CPU of a small cluster;
     # one reader task at a time per worker keeps a 2-core machine from starting a process per block.
