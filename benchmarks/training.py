@@ -95,10 +95,15 @@ def machine_info() -> dict:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
+    from pipeline.training.engine import native_bf16
+
     return {
         "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "versions": versions,
+        # What training.autocast_dtype=auto picks on this CPU: bf16 where oneDNN computes it natively, else fp32.
+        # ONEDNN_MAX_CPU_ISA=AVX2 hides AVX512-BF16, so an AVX512 machine then trains in fp32 as an AVX2 one does.
+        "native_bf16": native_bf16("cpu"), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
     }
 
 

@@ -136,3 +136,16 @@ def test_render_infra_check_fails_without_manifests(tmp_path, monkeypatch, capsy
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: ") and expected in lines[0]
     assert out.exists() == (layout != "missing")
+
+
+def test_machine_info_says_whether_auto_autocast_trains_in_bf16(monkeypatch):
+    """Every benchmark JSON records what training.autocast_dtype=auto picks here and the oneDNN cap that can hide
+    AVX512-BF16 (an AVX512 machine capped at AVX2 trains in fp32), so rows from different CPUs can be told apart."""
+    from benchmarks.training import machine_info
+    from pipeline.training.engine import native_bf16, resolve_autocast
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    info = machine_info()
+    assert info["onednn_max_cpu_isa"] == "AVX2"
+    assert info["native_bf16"] is native_bf16("cpu")
+    assert (resolve_autocast("auto", "cpu") is not None) == info["native_bf16"]
