@@ -72,15 +72,29 @@ def _drafter_class(name: str) -> type[DrafterBase]:
     return drafter_class(name)
 
 
+def _selects_by_val_tau(cfg: DictConfig) -> bool:
+    return cfg.training.select_best_by == "val.tau" and cfg.training.val_tau_samples > 0
+
+
 def _val_tau_decoding(cfg: DictConfig, drafter_class: type[DrafterBase]) -> list[dict]:
     """How val.tau decodes when it picks the final checkpoint (training.select_best_by=val.tau): the evaluation's K,
     batch and the drafter's decoding options change val.tau and so the checkpoint picked. [] otherwise: val.tau is
     then only logged, and the training's key is as without it."""
-    if cfg.training.select_best_by != "val.tau" or cfg.training.val_tau_samples <= 0:
+    if not _selects_by_val_tau(cfg):
         return []
     return [{"val_tau_decoding": {"num_speculative_tokens": cfg.evaluation.num_speculative_tokens,
                                   "batch_size": cfg.evaluation.batch_size,
                                   **drafter_class.evaluated_extra(cfg.evaluation)}}]
+
+
+def _training_settings(cfg: DictConfig) -> dict:
+    """cfg.training's result settings; how val.tau decodes counts only when val.tau picks the final checkpoint
+    (otherwise it is only logged: training draws its anchors and order from its own seeded generators)."""
+    training = result_settings(cfg.training, TrainingConfig)
+    if not _selects_by_val_tau(cfg):
+        training.pop("val_tau_samples", None)
+        training.pop("val_tau_max_new_tokens", None)
+    return training
 
 
 class StagePaths:
@@ -102,19 +116,25 @@ class StagePaths:
         self.prompts_key = content_key(data, "split-v2", *writer)
         gen = cfg.generation
         regeneration = result_settings(gen, GenerationConfig)
+        if gen.temperature > 0:
+            # Sampling draws one random stream per batch (pipeline/generation/workers.py: batch_seed): which answers
+            # share a batch changes what is sampled, so the batching settings count too.
+            regeneration.update(batch_size=gen.batch_size, max_batch_tokens=gen.max_batch_tokens)
         compression = regeneration.pop("compression")  # how the store keeps hidden states: the store's key, below
         self.regenerated_key = content_key(self.prompts_key, verifier, regeneration, cfg.verifier.compute_dtype)
         # Explicit aux layers change what is captured; null means "every drafter's defaults", shared by all drafters.
         # The capture backend is not in the key: hf and vllm capture the same states (tested within bf16).
-        self.store_key = content_key(self.regenerated_key, "store-v3", cfg.drafter.aux_layer_ids, compression)
+        # [] and null both mean the defaults.
+        aux_layer_ids = list(cfg.drafter.aux_layer_ids or []) or None
+        self.store_key = content_key(self.regenerated_key, "store-v3", aux_layer_ids, compression)
         # Logging, retries and labels stay out (schema.NOT_A_RESULT): changing them resumes the same run.
         # The drafter's options are its own schema's (pipeline/drafters/<name>/config.py).
         drafter_schema = OmegaConf.get_type(cfg.drafter)
         if not (isinstance(drafter_schema, type) and issubclass(drafter_schema, DrafterConfig)):
             drafter_schema = DrafterConfig
         drafter_class = _drafter_class(cfg.drafter.name)
-        self.train_key = content_key(self.store_key, result_settings(cfg.drafter, drafter_schema),
-                                     result_settings(cfg.training, TrainingConfig),
+        drafter = {**result_settings(cfg.drafter, drafter_schema), "aux_layer_ids": aux_layer_ids}
+        self.train_key = content_key(self.store_key, drafter, _training_settings(cfg),
                                      result_settings(cfg.deepspeed, DeepSpeedConfig),
                                      *_val_tau_decoding(cfg, drafter_class))
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The

@@ -97,14 +97,14 @@ def run_guarded(action: Callable[[], Any]) -> int:
 
 def run_hydra_main(main: Callable[[], Any]) -> None:
     """Call a jobs/*.py `@hydra.main` function. A config Hydra cannot compose (an unknown key, a wrong type, a
-    group option that does not exist, an override it cannot parse) is one line naming the key and exit code 2, like
-    every other bad input; Hydra alone prints several lines and exits 1. HYDRA_FULL_ERROR=1 set by the user keeps
-    Hydra's full report."""
+    group option that does not exist, a group set to null, an override it cannot parse) is one line naming the key
+    and exit code 2, like every other bad input; Hydra alone prints several lines and exits 1. HYDRA_FULL_ERROR=1
+    set by the user keeps Hydra's full report."""
     import os
 
     from hydra.errors import CompactHydraException
 
-    from pipeline.config.registration import config_error_line
+    from pipeline.config.registration import config_error_line, raised_by_hydra
 
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
@@ -112,8 +112,10 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises what it cannot compose instead of printing it
     try:
         main()
-    except CompactHydraException as error:
-        print(f"error: {config_error_line(error)}", file=sys.stderr)
+    except (CompactHydraException, ValueError) as error:
+        if not isinstance(error, CompactHydraException) and not raised_by_hydra(error):
+            raise
+        print(f"error: {config_error_line(error, sys.argv[1:])}", file=sys.stderr)
         sys.exit(2)
 
 

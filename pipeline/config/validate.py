@@ -32,10 +32,46 @@ def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
             _check_known_keys(node[key], child_schema, f"{prefix}{key}.")
 
 
+def _check_nothing_missing(cfg: DictConfig) -> None:
+    """A value the schema leaves unset (`???`) is refused by name before anything reads it: a group removed with
+    `~group` or composed from a bare schema leaves its mandatory `name` unset."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        group = missing[0].split(".")[0]
+        raise PipelineError(f"{missing[0]}: not set (choose a {group} with {group}=<option>, or set the value)")
+
+
+# Passed through to DeepSpeed as written (its own schema judges these), or checked against the verifier's config
+# before any stage (pipeline/drafters/build.py: check_configured_drafter_ids, naming the verifier's range).
+_UNCHECKED_NUMBERS = ("deepspeed.extra", "drafter.mask_token_id", "drafter.aux_layer_ids")
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Every number in the config counts, sizes, rates, seeds, ports or weights something: none is negative, NaN or
+    infinite (a NaN slips through every `x <= 0` check). Walks groups, nested settings, lists and plain dicts;
+    interpolations are left to the field they point at. Raises PipelineError naming the first such field."""
+    import math
+
+    def walk(value: Any, name: str) -> None:
+        if name in _UNCHECKED_NUMBERS:
+            return
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(child, f"{name}.{key}" if name else str(key))
+        elif isinstance(value, list):
+            for index, child in enumerate(value):
+                walk(child, f"{name}[{index}]")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+
+
 def validate(cfg: DictConfig) -> None:
     from pipeline.drafters import DRAFTERS
 
     _check_known_keys(cfg, schema_module.PipelineConfig, "")
+    _check_nothing_missing(cfg)
 
     _require(
         cfg.data.source in OFFLINE_SOURCES or bool(cfg.data.path),
@@ -48,7 +84,8 @@ def validate(cfg: DictConfig) -> None:
     gen = cfg.generation
     _require(gen.temperature >= 0, "generation.temperature: must be >= 0")
     _require(0 < gen.top_p <= 1, "generation.top_p: must be in (0, 1]")
-    _require(gen.max_batch_tokens > 0 and gen.batch_size > 0, "generation.max_batch_tokens / batch_size: must be > 0")
+    for key in ("max_batch_tokens", "batch_size"):
+        _require(gen[key] > 0, f"generation.{key}: must be > 0")
     for key in ("capture_max_batch_tokens", "capture_batch_size", "kv_cache_gb"):
         _require(gen[key] is None or gen[key] > 0, f"generation.{key}: must be > 0 (or null)")
     _require(gen.max_store_gb > 0, "generation.max_store_gb: must be > 0")
@@ -61,9 +98,12 @@ def validate(cfg: DictConfig) -> None:
     _validate_evaluation(cfg.evaluation)
     _validate_no_credentials(cfg)
     _validate_serving(cfg.serving)
+    _check_autoscaling(cfg.serving.autoscaling)
     _validate_generation_parallelism(cfg.generation)
     _validate_cluster_shape(cfg)
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
+    _require(cfg.cluster.local_num_cpus is None or cfg.cluster.local_num_cpus >= 1,
+             "cluster.local_num_cpus: must be >= 1 (or null for every CPU of this machine)")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
     _validate_val_tau(cfg.training)
@@ -90,6 +130,7 @@ def validate(cfg: DictConfig) -> None:
     for stage in cfg.stages:
         _require(stage in schema_module.STAGE_NAMES,
                  f"stages: unknown stage '{stage}'; known: {schema_module.STAGE_NAMES}")
+    _check_numbers(cfg)  # last: a field's own check above says more (its range, what 0 means)
 
 
 def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:
@@ -108,6 +149,7 @@ def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:
 def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(evaluation.batch_size >= 1, "evaluation.batch_size: must be >= 1")
     _require(evaluation.prompts_per_set >= 1, "evaluation.prompts_per_set: must be >= 1")
+    _require(evaluation.max_new_tokens >= 1, "evaluation.max_new_tokens: must be >= 1")
     _require(evaluation.profile_prompts >= 0, "evaluation.profile_prompts: must be >= 0 (0 = no profile)")
     _require(evaluation.profile_max_new_tokens is None or evaluation.profile_max_new_tokens >= 1,
              "evaluation.profile_max_new_tokens: must be >= 1, or null for evaluation.max_new_tokens")
@@ -119,12 +161,17 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
             from pipeline.evaluation.eval_sets import set_config
 
             definition = set_config(name, evaluation)  # unknown or mistyped fields fail here, before any stage runs
+            _require(definition.source in OFFLINE_SOURCES or bool(definition.path),
+                     f"evaluation.sets.{name}.path: required when its source is '{definition.source}'")
             if definition.source in WRITTEN_BY_THE_VERIFIER:
                 check_synthetic_config(definition.synthetic, f"evaluation.sets.{name}.synthetic")
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
     _require_fraction(evaluation.vllm.memory_fraction, "evaluation.vllm.memory_fraction")
     _require(evaluation.vllm.max_model_len >= 1, "evaluation.vllm.max_model_len: must be >= 1")
+    _require(evaluation.vllm.kv_cache_gb is None or evaluation.vllm.kv_cache_gb > 0,
+             "evaluation.vllm.kv_cache_gb: must be > 0 (or null)")
+    _require(evaluation.vllm.timeout_s >= 1, "evaluation.vllm.timeout_s: must be >= 1")
     _require(evaluation.vllm.near_tie_steps >= 0, "evaluation.vllm.near_tie_steps: must be >= 0 (rounding steps)")
     _require(evaluation.gate.max_tau_gap >= 0, "evaluation.gate.max_tau_gap: must be >= 0")
     _require(evaluation.gate.min_tau_gain >= 0,
@@ -206,7 +253,8 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
         return
     total = cluster.num_nodes * cluster.gpus_per_node
     shape = f"cluster {cluster.name} has {cluster.num_nodes} node(s) x {cluster.gpus_per_node} GPU(s)"
-    _require(total >= 1, f"cluster.num_nodes / cluster.gpus_per_node: cluster.use_gpu needs GPU nodes ({shape})")
+    for key in ("num_nodes", "gpus_per_node"):
+        _require(cluster[key] >= 1, f"cluster.{key}: cluster.use_gpu needs GPU nodes ({shape})")
     _require(cfg.training.num_workers == total,
              f"training.num_workers: {cfg.training.num_workers} training workers, but {shape}: one worker per GPU")
     gen = cfg.generation
@@ -220,10 +268,30 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
     if serving.accelerator == "gpu":
         _require(serving.tensor_parallel_size <= cluster.gpus_per_node,
                  f"serving.tensor_parallel_size: {serving.tensor_parallel_size} GPUs per replica, but {shape}")
-        replicas = int(serving.autoscaling.get("max_replicas", 1))
+        replicas = int(serving.autoscaling.get("max_replicas", 1))  # a number: _check_autoscaling ran first
         _require(replicas <= _engines_that_fit(cluster, serving.tensor_parallel_size),
                  f"serving.autoscaling.max_replicas: {replicas} replicas of {serving.tensor_parallel_size} GPU(s) "
                  f"each do not fit: {shape}")
+
+
+def _check_autoscaling(autoscaling: DictConfig) -> None:
+    """serving.autoscaling is handed to Ray Serve as its autoscaling_config: checked here by Ray Serve's own model
+    (types, min_replicas <= max_replicas, ...), and a key that model does not have is refused rather than ignored.
+    Raises PipelineError naming the field."""
+    import pydantic
+    from ray.serve.config import AutoscalingConfig
+
+    settings = {str(key): value for key, value in autoscaling.items()}
+    for key in settings:
+        _require(key in AutoscalingConfig.model_fields,
+                 f"serving.autoscaling.{key}: not a Ray Serve autoscaling setting "
+                 f"(one of {sorted(AutoscalingConfig.model_fields)})")
+    try:
+        AutoscalingConfig(**settings)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise PipelineError(f"serving.autoscaling{'.' + where if where else ''}: {first['msg']}") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -236,7 +304,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def _validate_serving(serving: DictConfig) -> None:
-    _require(1 <= serving.port <= 65535, "serving.port: must be a TCP port (1..65535)")
+    for key in ("port", "metrics_port"):
+        _require(1 <= serving[key] <= 65535, f"serving.{key}: must be a TCP port (1..65535)")
     _require(serving.tensor_parallel_size >= 1, "serving.tensor_parallel_size: must be >= 1")
     _require_fraction(serving.memory_fraction, "serving.memory_fraction")
     _require(serving.max_model_len >= 1, "serving.max_model_len: must be >= 1")

@@ -190,8 +190,10 @@ def check_synthetic_config(synth_cfg: Any, field_name: str) -> None:
             raise PipelineError(f"{field_name}.{key}: must be >= 1, got {synth_cfg[key]}")
     if int(synth_cfg.batch_size) > BATCH_SEED_STRIDE:
         raise PipelineError(f"{field_name}.batch_size: at most {BATCH_SEED_STRIDE}, got {synth_cfg.batch_size}")
-    if not 0 < float(synth_cfg.top_p) <= 1 or float(synth_cfg.temperature) <= 0:
-        raise PipelineError(f"{field_name}: temperature must be > 0 and top_p in (0, 1] to sample prompts")
+    if not float(synth_cfg.temperature) > 0:  # also refuses NaN
+        raise PipelineError(f"{field_name}.temperature: must be > 0 to sample prompts, got {synth_cfg.temperature}")
+    if not 0 < float(synth_cfg.top_p) <= 1:
+        raise PipelineError(f"{field_name}.top_p: must be in (0, 1] to sample prompts, got {synth_cfg.top_p}")
 
 
 def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str]]:

@@ -118,6 +118,20 @@ OVERRIDES = [
     ("evaluation.vllm.max_model_len=0", "evaluation.vllm.max_model_len: must be >= 1"),
     ("serving.memory_fraction=2", "serving.memory_fraction: must be in (0, 1]"),
     ("serving.max_model_len=0", "serving.max_model_len: must be >= 1"),
+    ("evaluation.max_new_tokens=0", "evaluation.max_new_tokens: must be >= 1"),
+    ("evaluation.vllm.kv_cache_gb=0", "evaluation.vllm.kv_cache_gb: must be > 0"),
+    ("evaluation.vllm.timeout_s=0", "evaluation.vllm.timeout_s: must be >= 1"),
+    ("serving.metrics_port=0", "serving.metrics_port: must be a TCP port"),
+    ("cluster.local_num_cpus=0", "cluster.local_num_cpus: must be >= 1"),
+    # every number: no NaN, infinity or negative value (a NaN passes every `x <= 0` check)
+    ("training.lr=inf", "training.lr: must be a finite number >= 0, got inf"),
+    ("data.shuffle_seed=-1", "data.shuffle_seed: must be a finite number >= 0, got -1"),
+    ("data.synthetic.temperature=nan", "data.synthetic.temperature: must be a finite number >= 0, got nan"),
+    ("serving.replica_cpus=-4", "serving.replica_cpus: must be a finite number >= 0"),
+    # serving.autoscaling goes to Ray Serve: checked by its own model, an unknown key refused
+    ("serving.autoscaling.max_replicas=abc", "serving.autoscaling.max_replicas: Input should be a valid integer"),
+    ("serving.autoscaling.min_replicas=5", "serving.autoscaling: Value error, max_replicas (1) must be greater"),
+    ("+serving.autoscaling.max_replica=2", "serving.autoscaling.max_replica: not a Ray Serve autoscaling setting"),
 ]
 
 

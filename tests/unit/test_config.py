@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -139,7 +141,8 @@ def test_each_drafters_schema_extends_the_one_it_builds_on():
     ("data.synthetic.per_domain=0", "data.synthetic.per_domain"),
     ("data.synthetic.domains=[code,poetry]", "data.synthetic.domains"),
     ("data.synthetic.batch_size=100000", "data.synthetic.batch_size"),
-    ("data.synthetic.temperature=0", "data.synthetic"),
+    ("data.synthetic.temperature=0", "data.synthetic.temperature"),
+    ("data.synthetic.top_p=0", "data.synthetic.top_p"),
 ])
 def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(override, field):
     validate(compose([override]))  # the humaneval source reads no synthetic setting
@@ -296,3 +299,97 @@ def test_the_dead_top_level_seed_is_refused_by_name():
     with pytest.raises((ConfigCompositionException, ConfigKeyError)) as error:
         compose(["seed=1"])
     assert "seed" in str(error.value) + str(error.value.__cause__)
+
+
+def _numeric_leaves(node, name=""):
+    """(dotted name, value) of every int or float leaf of a plain config container."""
+    if isinstance(node, dict):
+        for key, child in node.items():
+            yield from _numeric_leaves(child, f"{name}.{key}" if name else key)
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield name, node
+
+
+@pytest.mark.parametrize("experiment", [None, "quality_cpu", "qwen3_30b_a3b_dflash"])
+def test_no_number_in_the_config_may_be_negative_nan_or_infinite(experiment):
+    """Every number of every group counts, sizes, rates, seeds or weights something: set to -1, NaN or infinity it
+    is refused in a line that starts with the field, before any stage (by its own check or the general one).
+    deepspeed.extra is DeepSpeed's to judge; the drafter's token and layer ids are checked against the verifier
+    (tests/integration/test_bad_input_suite.py)."""
+    base = compose([f"experiment={experiment}"] if experiment else [])
+    plain = OmegaConf.to_container(base, resolve=False)
+    leaves = [(name, value) for name, value in _numeric_leaves(plain)
+              if not name.startswith(("deepspeed.extra", "drafter.mask_token_id", "drafter.aux_layer_ids"))]
+    assert len(leaves) > 80  # every group's numbers, not a few
+    for name, value in leaves:
+        bad_values = (-1, float("nan"), float("inf")) if isinstance(value, float) else (-1,)
+        for bad in bad_values:
+            cfg = base.copy()
+            OmegaConf.update(cfg, name, bad, force_add=True)
+            with pytest.raises(PipelineError, match=rf"^{re.escape(name)}: "):
+                validate(cfg)
+
+
+def test_a_removed_group_is_refused_naming_its_unset_name():
+    for group in ("drafter", "training", "verifier", "evaluation", "serving", "cluster", "data", "generation"):
+        with pytest.raises(PipelineError, match=rf"^{group}\.name: not set \(choose a {group} with {group}="):
+            validate(compose([f"~{group}"]))
+
+
+def test_a_group_set_to_null_is_refused_naming_the_group():
+    with pytest.raises(PipelineError, match=r"^training: a config group cannot be null; choose one of \['a100', "):
+        compose(["training=null"])
+
+
+def test_a_drafters_bare_schema_is_not_a_drafter_option():
+    """The schemas extended by conf/drafter/*.yaml live in their own group: `drafter=eagle3_schema` would compose
+    Eagle3Config's defaults without the drafter's settings (its 8,192-token draft vocabulary)."""
+    with pytest.raises(PipelineError, match=r"^drafter: 'eagle3_schema' is not one of \['dflash', 'dflash2', "):
+        compose(["drafter=eagle3_schema"])
+    with pytest.raises(PipelineError, match=r"Key 'drafter_schema' not in 'PipelineConfig'"):
+        compose(["+drafter_schema=eagle3"])
+
+
+def test_an_eval_set_read_from_a_file_or_the_hub_needs_its_path_before_any_stage():
+    for source in ("jsonl", "parquet", "hub"):
+        with pytest.raises(PipelineError, match=rf"^evaluation\.sets\.mine\.path: required when its source is "
+                                                rf"'{source}'"):
+            validate(compose([f"+evaluation.sets.mine={{source:{source}}}", "evaluation.datasets=[held_out,mine]"]))
+
+
+def test_a_field_a_preset_eval_set_leaves_out_is_named_with_how_to_add_it():
+    with pytest.raises(PipelineError, match=r"the preset does not set it: add it with "
+                                            r"\+evaluation\.sets\.code\.synthetic\.temperature="):
+        compose(["evaluation.sets.code.synthetic.temperature=0.5"])
+    with pytest.raises(PipelineError, match=r"^evaluation\.sets\.code\.bogus: not a field of EvalSetConfig"):
+        compose(["evaluation.sets.code.bogus=1"])
+
+
+def test_sampled_answers_are_keyed_by_the_batching_that_seeds_them():
+    """Greedy answers do not depend on how they are batched; sampled ones do (one random stream per batch,
+    pipeline/generation/workers.py: batch_seed), so with temperature > 0 the batching settings move the store."""
+    from pipeline.paths import StagePaths
+
+    for batching in ("generation.batch_size=4", "generation.max_batch_tokens=2048"):
+        assert StagePaths(compose([batching])).store == StagePaths(compose([])).store
+        sampled = ["generation.temperature=0.7"]
+        assert StagePaths(compose([*sampled, batching])).store != StagePaths(compose(sampled)).store
+
+
+def test_empty_and_null_aux_layer_ids_both_mean_the_defaults_and_share_a_store():
+    from pipeline.paths import StagePaths
+
+    empty, null = StagePaths(compose(["drafter.aux_layer_ids=[]"])), StagePaths(compose([]))
+    assert (empty.store, empty.train, empty.evaluation) == (null.store, null.train, null.evaluation)
+    assert StagePaths(compose(["drafter.aux_layer_ids=[2,15,27]"])).store != null.store
+
+
+def test_how_val_tau_decodes_changes_no_training_when_val_tau_is_only_logged():
+    from pipeline.paths import StagePaths
+
+    logged = ["training.val_samples=8", "training.val_tau_samples=2"]
+    base = StagePaths(compose(logged))
+    for change in ("training.val_tau_samples=4", "training.val_tau_max_new_tokens=16"):
+        assert StagePaths(compose([*logged, change])).train == base.train
+        chosen = [*logged, "training.select_best_by=val.tau"]
+        assert StagePaths(compose([*chosen, change])).train != StagePaths(compose(chosen)).train
