@@ -104,7 +104,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
 
     from hydra.errors import CompactHydraException
 
-    from pipeline.config.registration import config_error_line, raised_by_hydra
+    from pipeline.config.registration import config_error_line, is_composition_error
 
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
@@ -113,7 +113,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
     try:
         main()
     except (CompactHydraException, ValueError) as error:
-        if not isinstance(error, CompactHydraException) and not raised_by_hydra(error):
+        if not is_composition_error(error):
             raise
         print(f"error: {config_error_line(error, sys.argv[1:])}", file=sys.stderr)
         sys.exit(2)

@@ -6,7 +6,7 @@ import os
 import re
 import traceback
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException, ConfigCompositionException
@@ -47,25 +47,31 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             return hydra_compose(config_name=config_name, overrides=list(overrides or []))
-        except CompactHydraException as error:
-            raise ConfigError(config_error_line(error)) from error
-        except ValueError as error:
-            if not raised_by_hydra(error):
+        except (CompactHydraException, ValueError) as error:
+            if not is_composition_error(error):
                 raise
             raise ConfigError(config_error_line(error, overrides or [])) from error
 
 
 def _eval_set_field_line(key: str, first: str) -> str:
-    """The eval set presets are plain mappings holding only the fields they set (schema._eval_set_presets): a field
-    of EvalSetConfig they leave out is added with `+`, anything else is not a field."""
+    """A key under evaluation.sets.<name> that the set's mapping does not hold. The presets are plain mappings with
+    only the fields they set (schema._eval_set_presets): a field of EvalSetConfig (or of its `synthetic` part) they
+    leave out is added with `+`; a set name that is not defined yet is added whole."""
     import dataclasses
 
-    from pipeline.config.schema import EvalSetConfig, SyntheticConfig
+    from pipeline.config.schema import EvalSetConfig, SyntheticConfig, _eval_set_presets
 
-    fields = {f.name for schema in (EvalSetConfig, SyntheticConfig) for f in dataclasses.fields(schema)}
-    if key.rsplit(".", 1)[-1] in fields:
-        return f"{key}: {first}; the preset does not set it: add it with +{key}=..."
-    return f"{key}: not a field of EvalSetConfig ({first})"
+    parts = key.split(".")[2:]  # <name>, then the path inside the set
+    if parts[0] not in _eval_set_presets():
+        return (f"{key}: evaluation.sets has no set '{parts[0]}'; define it whole with "
+                f"+evaluation.sets.{parts[0]}={{source: ..., path: ...}}")
+    schema: Any = EvalSetConfig
+    for part in parts[1:]:
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        if schema is None or part not in fields:
+            return f"{key}: not a field of {schema.__name__ if schema else 'EvalSetConfig'} ({first})"
+        schema = SyntheticConfig if part == "synthetic" else None
+    return f"{key}: {first}; the preset does not set it: add it with +{key}=..."
 
 
 def _group_set_to_null(overrides: Sequence[str]) -> Optional[str]:
@@ -77,15 +83,29 @@ def _group_set_to_null(overrides: Sequence[str]) -> Optional[str]:
     return None
 
 
+def _optional_group(group: str) -> bool:
+    """Whether conf/config.yaml's defaults list leaves the group out unless chosen (`- experiment: null`)."""
+    return re.search(rf"^\s*- {re.escape(group)}: null\s*$", (CONF_DIR / "config.yaml").read_text(), re.M) is not None
+
+
 def _group_options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
 
 
-def raised_by_hydra(error: BaseException) -> bool:
-    """Whether Hydra itself raised this while composing (e.g. the ValueError of a `drafter=null` override), rather
-    than the job it went on to run: such an error is bad input, reported in one line."""
+def is_composition_error(error: BaseException) -> bool:
+    """Whether Hydra raised this while composing the config (bad input, reported in one line), not the job it went
+    on to run: a CompactHydraException, or another error (the ValueError of a `drafter=null` override) raised inside
+    Hydra's own package before Hydra started the job (its run_job frame)."""
+    import hydra
+    from hydra.errors import CompactHydraException
+
+    if isinstance(error, CompactHydraException):
+        return True
+    hydra_dir = str(Path(hydra.__file__).resolve().parent) + os.sep
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and f"{os.sep}hydra{os.sep}" in frames[-1].filename
+    if any(frame.name == "run_job" and frame.filename.startswith(hydra_dir) for frame in frames):
+        return False  # raised by the job, or by a Hydra helper the job called
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(hydra_dir)
 
 
 def config_error_line(error: BaseException, overrides: Sequence[str] = ()) -> str:
@@ -117,8 +137,10 @@ def config_error_line(error: BaseException, overrides: Sequence[str] = ()) -> st
         return f"{key}: {first}"
     if isinstance(error, ValueError) and not isinstance(cause, OmegaConfBaseException):
         nulled = _group_set_to_null(overrides)
+        if nulled and _optional_group(nulled):
+            return f"{nulled}: an optional group is left out by leaving out its override, not set to null"
         if nulled:
-            return f"{nulled}: a config group cannot be null; choose one of {_group_options(nulled)}"
+            return f"{nulled}: a config group cannot be set to null; choose one of {_group_options(nulled)}"
     if isinstance(error, OverrideParseException):  # the override's syntax: name the override, not the grammar docs
         return f"override '{error.override}': {first}"
     return " ".join(lines)

@@ -190,7 +190,8 @@ class DataConfig:
 @dataclass
 class GenerationConfig:
     # Only responses, temperature, top_p, seed, max_new_tokens, max_length, overlength, backend and compression change
-    # what is written; the rest (labels, batching, placement, memory) is marked run_setting.
+    # what is written; the rest (labels, batching, placement, memory) is marked run_setting. Batching also counts when
+    # answers are sampled (temperature > 0: one random stream per batch), which pipeline/paths.py adds to the key.
     name: str = run_setting(MISSING)
     # Verifier backend for response regeneration: hf (transformers) or vllm (vLLM's offline LLM).
     backend: Backend = Backend.hf

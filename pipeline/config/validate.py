@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from pipeline.config import schema as schema_module
 from pipeline.data.prompts import OFFLINE_SOURCES
@@ -36,24 +38,28 @@ def _check_nothing_missing(cfg: DictConfig) -> None:
     """A value the schema leaves unset (`???`) is refused by name before anything reads it: a group removed with
     `~group` or composed from a bare schema leaves its mandatory `name` unset."""
     missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
+    if missing and re.fullmatch(r"\w+\.name", missing[0]):
         group = missing[0].split(".")[0]
-        raise PipelineError(f"{missing[0]}: not set (choose a {group} with {group}=<option>, or set the value)")
+        raise PipelineError(f"{missing[0]}: not set (choose one with {group}=<option>; `~{group}` removes the group)")
+    _require(not missing, f"{missing[0] if missing else ''}: not set (??? is a value to fill in)")
 
 
-# Passed through to DeepSpeed as written (its own schema judges these), or checked against the verifier's config
+# Passed through as written to DeepSpeed, vLLM or Ray Serve, whose own schemas judge them (vLLM takes -1 for "no
+# limit"; serving.autoscaling is checked by Ray Serve's model below), or checked against the verifier's config
 # before any stage (pipeline/drafters/build.py: check_configured_drafter_ids, naming the verifier's range).
-_UNCHECKED_NUMBERS = ("deepspeed.extra", "drafter.mask_token_id", "drafter.aux_layer_ids")
+UNCHECKED_NUMBERS = ("deepspeed.extra", "serving.engine_kwargs", "serving.autoscaling", "drafter.mask_token_id",
+                     "drafter.aux_layer_ids")
 
 
 def _check_numbers(cfg: DictConfig) -> None:
     """Every number in the config counts, sizes, rates, seeds, ports or weights something: none is negative, NaN or
-    infinite (a NaN slips through every `x <= 0` check). Walks groups, nested settings, lists and plain dicts;
-    interpolations are left to the field they point at. Raises PipelineError naming the first such field."""
+    infinite (a NaN slips through every `x <= 0` check). Walks groups, nested settings, lists and plain dicts, with
+    interpolations resolved (`${oc.env:SEED}`). Raises PipelineError naming the first such field, or one whose
+    interpolation cannot be resolved."""
     import math
 
     def walk(value: Any, name: str) -> None:
-        if name in _UNCHECKED_NUMBERS:
+        if name in UNCHECKED_NUMBERS:
             return
         if isinstance(value, dict):
             for key, child in value.items():
@@ -64,19 +70,26 @@ def _check_numbers(cfg: DictConfig) -> None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
 
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    walk(_resolved(cfg), "")
+
+
+def _resolved(cfg: DictConfig) -> Any:
+    """The config as plain containers with every interpolation resolved; one that cannot be (`${oc.env:UNSET}`) is
+    refused naming its field."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as error:
+        raise PipelineError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
 
 
 def validate(cfg: DictConfig) -> None:
     from pipeline.drafters import DRAFTERS
 
     _check_known_keys(cfg, schema_module.PipelineConfig, "")
+    _resolved(cfg)  # an interpolation that cannot resolve is named before any check reads its field
     _check_nothing_missing(cfg)
 
-    _require(
-        cfg.data.source in OFFLINE_SOURCES or bool(cfg.data.path),
-        f"data.path: required when data.source is '{cfg.data.source}'",
-    )
+    _require_path(cfg.data, "data")
     if cfg.data.source in WRITTEN_BY_THE_VERIFIER:
         check_synthetic_config(cfg.data.synthetic, "data.synthetic")
     _require(cfg.data.num_train > 0, "data.num_train: must be > 0")
@@ -102,8 +115,6 @@ def validate(cfg: DictConfig) -> None:
     _validate_generation_parallelism(cfg.generation)
     _validate_cluster_shape(cfg)
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
-    _require(cfg.cluster.local_num_cpus is None or cfg.cluster.local_num_cpus >= 1,
-             "cluster.local_num_cpus: must be >= 1 (or null for every CPU of this machine)")
     _require(cfg.training.max_steps >= 1, "training.max_steps: must be >= 1")
     _require(cfg.training.val_samples >= 0, "training.val_samples: must be >= 0")
     _validate_val_tau(cfg.training)
@@ -146,6 +157,12 @@ def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:
     options.validate()
 
 
+def _require_path(prompt_set: Any, field: str) -> None:
+    """A prompt set read from a file or the hub (data, an eval set) names it in `path`."""
+    _require(prompt_set.source in OFFLINE_SOURCES or bool(prompt_set.path),
+             f"{field}.path: required when {field}.source is '{prompt_set.source}'")
+
+
 def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(evaluation.batch_size >= 1, "evaluation.batch_size: must be >= 1")
     _require(evaluation.prompts_per_set >= 1, "evaluation.prompts_per_set: must be >= 1")
@@ -161,8 +178,7 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
             from pipeline.evaluation.eval_sets import set_config
 
             definition = set_config(name, evaluation)  # unknown or mistyped fields fail here, before any stage runs
-            _require(definition.source in OFFLINE_SOURCES or bool(definition.path),
-                     f"evaluation.sets.{name}.path: required when its source is '{definition.source}'")
+            _require_path(definition, f"evaluation.sets.{name}")
             if definition.source in WRITTEN_BY_THE_VERIFIER:
                 check_synthetic_config(definition.synthetic, f"evaluation.sets.{name}.synthetic")
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
@@ -249,6 +265,13 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
     """On a GPU cluster every GPU count the config asks for must fit the cluster's shape: one training worker per
     GPU, vLLM engines whose tensor-parallel groups stay inside one node."""
     cluster = cfg.cluster
+    _require(cluster.local_num_cpus is None or cluster.local_num_cpus >= 1,
+             "cluster.local_num_cpus: must be >= 1 (or null for every CPU of this machine)")
+    # The pods run as non-root (pipeline/infra/kuberay.py: runAsNonRoot): user 0 would never start.
+    _require(cluster.kubernetes.run_as_user >= 1, "cluster.kubernetes.run_as_user: must be >= 1 (the pods run as "
+             "non-root)")
+    _require(cluster.kubernetes.head_cpus >= 1, "cluster.kubernetes.head_cpus: must be >= 1")
+    _require(cluster.launcher.disk_gb >= 1, "cluster.launcher.disk_gb: must be >= 1")
     if not cluster.use_gpu:
         return
     total = cluster.num_nodes * cluster.gpus_per_node

@@ -38,8 +38,8 @@ def test_unknown_config_key_fails_the_job_naming_the_key(tmp_path):
     (["scale=huge"], "error: scale: 'huge' is not one of ['toy']"),
     (["training.optimizer=sgd"], "error: training.optimizer: 'sgd' is not one of [adamw, muon]"),
     (["training.max_steps=[1"], "error: override 'training.max_steps=[1': "),
-    (["drafter=null"], "error: drafter: a config group cannot be null; choose one of ['dflash', 'dflash2', "),
-    (["~drafter"], "error: drafter.name: not set (choose a drafter with drafter=<option>"),
+    (["drafter=null"], "error: drafter: a config group cannot be set to null; choose one of ['dflash', 'dflash2', "),
+    (["~drafter"], "error: drafter.name: not set (choose one with drafter=<option>"),
 ])
 def test_a_config_hydra_cannot_compose_is_one_line_naming_the_key_and_exit_2(tmp_path, overrides, line):
     """Composition errors are bad input too: one line, exit 2 (Hydra alone prints five lines and exits 1)."""

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from pipeline.config import CONF_DIR, compose, validate
+from pipeline.config.validate import UNCHECKED_NUMBERS
 from pipeline.errors import PipelineError
 
 GROUPS = ["verifier", "data", "generation", "drafter", "training", "deepspeed", "evaluation", "tracking",
@@ -314,12 +315,11 @@ def _numeric_leaves(node, name=""):
 def test_no_number_in_the_config_may_be_negative_nan_or_infinite(experiment):
     """Every number of every group counts, sizes, rates, seeds or weights something: set to -1, NaN or infinity it
     is refused in a line that starts with the field, before any stage (by its own check or the general one).
-    deepspeed.extra is DeepSpeed's to judge; the drafter's token and layer ids are checked against the verifier
-    (tests/integration/test_bad_input_suite.py)."""
+    What goes to DeepSpeed, vLLM or Ray Serve as written is theirs to judge; the drafter's token and layer ids are
+    checked against the verifier (tests/integration/test_bad_input_suite.py)."""
     base = compose([f"experiment={experiment}"] if experiment else [])
     plain = OmegaConf.to_container(base, resolve=False)
-    leaves = [(name, value) for name, value in _numeric_leaves(plain)
-              if not name.startswith(("deepspeed.extra", "drafter.mask_token_id", "drafter.aux_layer_ids"))]
+    leaves = [(name, value) for name, value in _numeric_leaves(plain) if not name.startswith(UNCHECKED_NUMBERS)]
     assert len(leaves) > 80  # every group's numbers, not a few
     for name, value in leaves:
         bad_values = (-1, float("nan"), float("inf")) if isinstance(value, float) else (-1,)
@@ -332,13 +332,15 @@ def test_no_number_in_the_config_may_be_negative_nan_or_infinite(experiment):
 
 def test_a_removed_group_is_refused_naming_its_unset_name():
     for group in ("drafter", "training", "verifier", "evaluation", "serving", "cluster", "data", "generation"):
-        with pytest.raises(PipelineError, match=rf"^{group}\.name: not set \(choose a {group} with {group}="):
+        with pytest.raises(PipelineError, match=rf"^{group}\.name: not set \(choose one with {group}=<option>"):
             validate(compose([f"~{group}"]))
 
 
 def test_a_group_set_to_null_is_refused_naming_the_group():
-    with pytest.raises(PipelineError, match=r"^training: a config group cannot be null; choose one of \['a100', "):
+    with pytest.raises(PipelineError, match=r"^training: a config group cannot be set to null; choose one of \['a100'"):
         compose(["training=null"])
+    with pytest.raises(PipelineError, match=r"^experiment: an optional group is left out by leaving out its override"):
+        compose(["experiment=null"])
 
 
 def test_a_drafters_bare_schema_is_not_a_drafter_option():
@@ -352,8 +354,8 @@ def test_a_drafters_bare_schema_is_not_a_drafter_option():
 
 def test_an_eval_set_read_from_a_file_or_the_hub_needs_its_path_before_any_stage():
     for source in ("jsonl", "parquet", "hub"):
-        with pytest.raises(PipelineError, match=rf"^evaluation\.sets\.mine\.path: required when its source is "
-                                                rf"'{source}'"):
+        with pytest.raises(PipelineError, match=rf"^evaluation\.sets\.mine\.path: required when "
+                                                rf"evaluation\.sets\.mine\.source is '{source}'"):
             validate(compose([f"+evaluation.sets.mine={{source:{source}}}", "evaluation.datasets=[held_out,mine]"]))
 
 
@@ -393,3 +395,36 @@ def test_how_val_tau_decodes_changes_no_training_when_val_tau_is_only_logged():
         assert StagePaths(compose([*logged, change])).train == base.train
         chosen = [*logged, "training.select_best_by=val.tau"]
         assert StagePaths(compose([*chosen, change])).train != StagePaths(compose(chosen)).train
+
+
+def test_the_numbers_handed_on_as_written_keep_the_values_their_owners_allow():
+    """vLLM takes -1 for "no limit" in its engine arguments; an interpolated number is checked as it resolves."""
+    validate(compose(["+serving.engine_kwargs.max_logprobs=-1"]))
+    with pytest.raises(PipelineError, match=r"^data\.shuffle_seed: must be a finite number >= 0, got -1"):
+        validate(compose(["data.shuffle_seed=${oc.decode:'-1'}"]))
+
+
+def test_a_value_left_to_fill_in_is_named():
+    with pytest.raises(PipelineError, match=r"^evaluation\.sets\.mine\.path: not set"):
+        validate(compose(["+evaluation.sets.mine={source:jsonl,path:???}", "evaluation.datasets=[held_out,mine]"]))
+
+
+def test_only_hydras_own_composition_errors_become_one_line(tmp_path):
+    """A job's own ValueError keeps its traceback, even from a module in a folder named hydra; Hydra's refusal of
+    `drafter=null` while composing is bad input."""
+    import importlib.util
+
+    from pipeline.config.registration import ConfigError, is_composition_error
+
+    module_path = tmp_path / "hydra" / "job_module.py"
+    module_path.parent.mkdir()
+    module_path.write_text("def fail():\n    raise ValueError('the jobs own bug')\n")
+    spec = importlib.util.spec_from_file_location("job_module", module_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError) as job_error:
+        module.fail()
+    assert not is_composition_error(job_error.value)
+    with pytest.raises(ConfigError) as composed:
+        compose(["drafter=null"])
+    assert is_composition_error(composed.value.__cause__)
