@@ -38,10 +38,12 @@ def _check_nothing_missing(cfg: DictConfig) -> None:
     """A value the schema leaves unset (`???`) is refused by name before anything reads it: a group removed with
     `~group` or composed from a bare schema leaves its mandatory `name` unset."""
     missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing and re.fullmatch(r"\w+\.name", missing[0]):
+    if not missing:
+        return
+    if re.fullmatch(r"\w+\.name", missing[0]):  # a group's label: the group itself was removed
         group = missing[0].split(".")[0]
         raise PipelineError(f"{missing[0]}: not set (choose one with {group}=<option>; `~{group}` removes the group)")
-    _require(not missing, f"{missing[0] if missing else ''}: not set (??? is a value to fill in)")
+    raise PipelineError(f"{missing[0]}: not set (??? is a value to fill in)")
 
 
 # Passed through as written to DeepSpeed, vLLM or Ray Serve, whose own schemas judge them (vLLM takes -1 for "no
