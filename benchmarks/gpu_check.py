@@ -162,7 +162,8 @@ def moved(before: dict, model) -> float:
 def check_training(name: str, verifier_path: Path, samples: list[dict], steps: int) -> dict:
     from omegaconf import OmegaConf
 
-    from pipeline.training.engine import Engine, resolve_autocast
+    from pipeline.training.engine import Engine
+    from pipeline.training.precision import resolve_autocast
 
     options = OmegaConf.to_object(drafter_config(name))
     autocast = resolve_autocast("auto", DEVICE)

@@ -95,7 +95,7 @@ def machine_info() -> dict:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    from pipeline.training.engine import native_bf16
+    from pipeline.training.precision import native_bf16
 
     return {
         "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,

@@ -307,7 +307,7 @@ def their_optimizers(model, defaults: dict, steps: int, differences: list[str]):
     from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
     from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-    from pipeline.training.engine import native_bf16
+    from pipeline.training.precision import native_bf16
 
     config = TrainerConfig(lr=defaults["lr"], num_epochs=1, save_path="", optimizer=defaults["optimizer"],
                            weight_decay=defaults["weight_decay"], muon_lr=defaults["muon_lr"],
@@ -332,7 +332,7 @@ def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int
     import torch
 
     from pipeline.data.store import load_manifest, read_samples, sample_locations
-    from pipeline.training.engine import native_bf16
+    from pipeline.training.precision import native_bf16
     from pipeline.training.validation import split_validation
 
     cfg, paths = ours["cfg"], ours["paths"]

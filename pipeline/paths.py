@@ -87,10 +87,24 @@ def _val_tau_decoding(cfg: DictConfig, drafter_class: type[DrafterBase]) -> list
                                   **drafter_class.evaluated_extra(cfg.evaluation)}}]
 
 
+def _auto_precision(cfg: DictConfig) -> str:
+    """What training.autocast_dtype=auto trains in (pipeline/training/precision.py: resolve_autocast): bf16 on a GPU
+    cluster's workers, and on CPU what this host computes natively (AVX512-BF16/AMX: bf16, else fp32), as a local
+    Ray's workers do. Without it one key would hold an fp32 run on one machine and a bf16 run on another."""
+    if cfg.cluster.use_gpu:
+        return "gpu"
+    from pipeline.training.precision import native_bf16  # imports torch: only when keys are built
+
+    return "bf16" if native_bf16("cpu") else "fp32"
+
+
 def _training_settings(cfg: DictConfig) -> dict:
-    """cfg.training's result settings; how val.tau decodes counts only when val.tau picks the final checkpoint
-    (otherwise it is only logged: training draws its anchors and order from its own seeded generators)."""
+    """cfg.training's result settings, with autocast `auto` as the precision it resolves to here; how val.tau
+    decodes counts only when val.tau picks the final checkpoint (otherwise it is only logged: training draws its
+    anchors and order from its own seeded generators)."""
     training = result_settings(cfg.training, TrainingConfig)
+    if training.get("autocast_dtype") == "auto":
+        training["autocast_dtype"] = f"auto:{_auto_precision(cfg)}"
     if not _selects_by_val_tau(cfg):
         training.pop("val_tau_samples", None)
         training.pop("val_tau_max_new_tokens", None)

@@ -24,9 +24,10 @@ from pipeline.integrity import seal
 from pipeline.metrics import expected_tau
 from pipeline.tracking import client_for, log_metric_batch
 from pipeline.training import dist
-from pipeline.training.engine import Engine, resolve_autocast
+from pipeline.training.engine import Engine
 from pipeline.training.feed import plan_row, stream_micro_batches
 from pipeline.training.order import GlobalOrder
+from pipeline.training.precision import resolve_autocast
 from pipeline.training.resume import micro_batch_for, needs_universal, read_resume_point
 from pipeline.training.validation import split_validation, validate, validation_share
 from pipeline.training.worker_config import ValTauSettings, WorkerConfig

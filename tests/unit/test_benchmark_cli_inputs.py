@@ -142,7 +142,7 @@ def test_machine_info_says_whether_auto_autocast_trains_in_bf16(monkeypatch):
     """Every benchmark JSON records what training.autocast_dtype=auto picks here and the oneDNN cap that can hide
     AVX512-BF16 (an AVX512 machine capped at AVX2 trains in fp32), so rows from different CPUs can be told apart."""
     from benchmarks.training import machine_info
-    from pipeline.training.engine import native_bf16, resolve_autocast
+    from pipeline.training.precision import native_bf16, resolve_autocast
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     info = machine_info()

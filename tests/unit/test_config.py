@@ -428,3 +428,20 @@ def test_only_hydras_own_composition_errors_become_one_line(tmp_path):
     with pytest.raises(ConfigError) as composed:
         compose(["drafter=null"])
     assert is_composition_error(composed.value.__cause__)
+
+
+def test_autocast_auto_is_keyed_by_the_precision_it_trains_in(monkeypatch):
+    """training.autocast_dtype=auto trains in bf16 on an AVX512-BF16/AMX CPU and in fp32 on an AVX2 one: the two
+    runs differ, so they land in two train folders; a GPU cluster's key does not depend on the driver's CPU."""
+    import pipeline.training.precision as precision
+    from pipeline.paths import StagePaths
+
+    keys = {}
+    for bf16 in (True, False):
+        monkeypatch.setattr(precision, "native_bf16", lambda device_type, bf16=bf16: bf16)
+        cpu, gpu = StagePaths(compose([])), StagePaths(compose(["cluster=a100_2x"]))
+        keys[bf16] = (cpu.train, cpu.store, gpu.train)
+    assert keys[True][0] != keys[False][0] and keys[True][1] == keys[False][1]
+    assert keys[True][2] == keys[False][2]
+    pinned = [StagePaths(compose(["training.autocast_dtype=bfloat16"])).train for _ in range(2)]
+    assert pinned[0] == pinned[1] not in (keys[True][0], keys[False][0])

@@ -10,9 +10,10 @@ import torch
 
 from pipeline.config.schema import DeepSpeedConfig, TrainingConfig
 from pipeline.errors import PipelineError
-from pipeline.training.engine import Engine, deepspeed_config, native_bf16, resolve_autocast
+from pipeline.training.engine import Engine, deepspeed_config
 from pipeline.training.optim import lr_factor
 from pipeline.training.order import GlobalOrder, pack_to_token_budget
+from pipeline.training.precision import native_bf16, resolve_autocast
 from pipeline.training.resume import (
     ResumePoint,
     check_optimizer_carries_over,
