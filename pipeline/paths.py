@@ -73,6 +73,7 @@ def _drafter_class(name: str) -> type[DrafterBase]:
 
 
 def _selects_by_val_tau(cfg: DictConfig) -> bool:
+    # validate() refuses val.tau selection without val_tau_samples; the second test keeps keys right without it.
     return cfg.training.select_best_by == "val.tau" and cfg.training.val_tau_samples > 0
 
 
@@ -88,8 +89,9 @@ def _val_tau_decoding(cfg: DictConfig, drafter_class: type[DrafterBase]) -> list
 
 
 def _auto_precision(cfg: DictConfig) -> str:
-    """What training.autocast_dtype=auto trains in (pipeline/training/precision.py: resolve_autocast): bf16 on a GPU
-    cluster's workers, and on CPU what this host computes natively (AVX512-BF16/AMX: bf16, else fp32), as a local
+    """What training.autocast_dtype=auto trains in (pipeline/training/precision.py: resolve_autocast): on a GPU
+    cluster whatever its workers' GPUs compute natively (bf16 from Ampere on; the driver has no GPU to ask, so the
+    key says "gpu"), and on CPU what this host computes natively (AVX512-BF16/AMX: bf16, else fp32), as a local
     Ray's workers do. Without it one key would hold an fp32 run on one machine and a bf16 run on another."""
     if cfg.cluster.use_gpu:
         return "gpu"

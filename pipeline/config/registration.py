@@ -56,22 +56,23 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
 def _eval_set_field_line(key: str, first: str) -> str:
     """A key under evaluation.sets.<name> that the set's mapping does not hold. The presets are plain mappings with
     only the fields they set (schema._eval_set_presets): a field of EvalSetConfig (or of its `synthetic` part) they
-    leave out is added with `+`; a set name that is not defined yet is added whole."""
+    leave out is added with `+`; a set that is not defined at all is added whole."""
     import dataclasses
 
-    from pipeline.config.schema import EvalSetConfig, SyntheticConfig, _eval_set_presets
+    from pipeline.config.schema import EvalSetConfig, SyntheticConfig
 
     parts = key.split(".")[2:]  # <name>, then the path inside the set
-    if parts[0] not in _eval_set_presets():
+    if len(parts) == 1:  # evaluation.sets.<name> itself is missing
         return (f"{key}: evaluation.sets has no set '{parts[0]}'; define it whole with "
                 f"+evaluation.sets.{parts[0]}={{source: ..., path: ...}}")
     schema: Any = EvalSetConfig
-    for part in parts[1:]:
-        fields = {f.name: f for f in dataclasses.fields(schema)}
-        if schema is None or part not in fields:
-            return f"{key}: not a field of {schema.__name__ if schema else 'EvalSetConfig'} ({first})"
-        schema = SyntheticConfig if part == "synthetic" else None
-    return f"{key}: {first}; the preset does not set it: add it with +{key}=..."
+    for depth, part in enumerate(parts[1:], start=1):
+        if schema is None:
+            return f"{key}: evaluation.sets.{'.'.join(parts[:depth])} is a value, not a mapping ({first})"
+        if part not in {f.name for f in dataclasses.fields(schema)}:
+            return f"{key}: not a field of {schema.__name__} ({first})"
+        schema = SyntheticConfig if schema is EvalSetConfig and part == "synthetic" else None
+    return f"{key}: {first}; the set does not set it: add it with +{key}=..."
 
 
 def _group_set_to_null(overrides: Sequence[str]) -> Optional[str]:
@@ -103,9 +104,12 @@ def is_composition_error(error: BaseException) -> bool:
         return True
     hydra_dir = str(Path(hydra.__file__).resolve().parent) + os.sep
     frames = traceback.extract_tb(error.__traceback__)
-    if any(frame.name == "run_job" and frame.filename.startswith(hydra_dir) for frame in frames):
+    def in_hydra(frame: traceback.FrameSummary) -> bool:
+        return str(Path(frame.filename).resolve()).startswith(hydra_dir)
+
+    if any(frame.name == "run_job" and in_hydra(frame) for frame in frames):
         return False  # raised by the job, or by a Hydra helper the job called
-    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(hydra_dir)
+    return bool(frames) and in_hydra(frames[-1])
 
 
 def config_error_line(error: BaseException, overrides: Sequence[str] = ()) -> str:

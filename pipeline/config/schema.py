@@ -301,7 +301,8 @@ class TrainingConfig:
     checkpoint_every: int = 100
     # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.
     keep_checkpoints: int = run_setting(2)  # with validation the best ones are kept: the final pick is the same
-    # Worker failures (a lost process or node) survived by restarting from the latest checkpoint.
+    # Worker failures (a lost process or node) survived by restarting from the latest checkpoint (Ray Train's
+    # FailureConfig.max_failures, handed on as written: -1 retries without limit).
     max_failures: int = run_setting(2)
     # Continue from this checkpoint folder (same drafter and verifier; any number of workers dividing its global
     # batch). A rerun of the same config resumes its own latest checkpoint without this.

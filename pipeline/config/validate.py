@@ -46,18 +46,18 @@ def _check_nothing_missing(cfg: DictConfig) -> None:
     raise PipelineError(f"{missing[0]}: not set (??? is a value to fill in)")
 
 
-# Passed through as written to DeepSpeed, vLLM or Ray Serve, whose own schemas judge them (vLLM takes -1 for "no
-# limit"; serving.autoscaling is checked by Ray Serve's model below), or checked against the verifier's config
-# before any stage (pipeline/drafters/build.py: check_configured_drafter_ids, naming the verifier's range).
-UNCHECKED_NUMBERS = ("deepspeed.extra", "serving.engine_kwargs", "serving.autoscaling", "drafter.mask_token_id",
-                     "drafter.aux_layer_ids")
+# Passed through as written to DeepSpeed, vLLM, Ray Serve or Ray Train, whose own schemas judge them (vLLM and Ray
+# Train's FailureConfig take -1 for "no limit"; serving.autoscaling is checked by Ray Serve's model below), or
+# checked against the verifier's config before any stage (pipeline/drafters/build.py: check_configured_drafter_ids,
+# naming the verifier's range).
+UNCHECKED_NUMBERS = ("deepspeed.extra", "serving.engine_kwargs", "serving.autoscaling", "training.max_failures",
+                     "drafter.mask_token_id", "drafter.aux_layer_ids")
 
 
-def _check_numbers(cfg: DictConfig) -> None:
+def _check_numbers(resolved: dict) -> None:
     """Every number in the config counts, sizes, rates, seeds, ports or weights something: none is negative, NaN or
-    infinite (a NaN slips through every `x <= 0` check). Walks groups, nested settings, lists and plain dicts, with
-    interpolations resolved (`${oc.env:SEED}`). Raises PipelineError naming the first such field, or one whose
-    interpolation cannot be resolved."""
+    infinite (a NaN slips through every `x <= 0` check). Walks the resolved config's groups, nested settings, lists
+    and plain dicts (`${oc.env:SEED}` as it resolves). Raises PipelineError naming the first such field."""
     import math
 
     def walk(value: Any, name: str) -> None:
@@ -72,23 +72,25 @@ def _check_numbers(cfg: DictConfig) -> None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
 
-    walk(_resolved(cfg), "")
+    walk(resolved, "")
 
 
-def _resolved(cfg: DictConfig) -> Any:
+def _resolved(cfg: DictConfig) -> dict:
     """The config as plain containers with every interpolation resolved; one that cannot be (`${oc.env:UNSET}`) is
     refused naming its field."""
     try:
-        return OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as error:
         raise PipelineError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
+    assert isinstance(resolved, dict)  # a DictConfig resolves to a dict
+    return resolved
 
 
 def validate(cfg: DictConfig) -> None:
     from pipeline.drafters import DRAFTERS
 
     _check_known_keys(cfg, schema_module.PipelineConfig, "")
-    _resolved(cfg)  # an interpolation that cannot resolve is named before any check reads its field
+    resolved = _resolved(cfg)  # an interpolation that cannot resolve is named before any check reads its field
     _check_nothing_missing(cfg)
 
     _require_path(cfg.data, "data")
@@ -143,7 +145,7 @@ def validate(cfg: DictConfig) -> None:
     for stage in cfg.stages:
         _require(stage in schema_module.STAGE_NAMES,
                  f"stages: unknown stage '{stage}'; known: {schema_module.STAGE_NAMES}")
-    _check_numbers(cfg)  # last: a field's own check above says more (its range, what 0 means)
+    _check_numbers(resolved)  # last: a field's own check above says more (its range, what 0 means)
 
 
 def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:

@@ -303,10 +303,13 @@ def test_the_dead_top_level_seed_is_refused_by_name():
 
 
 def _numeric_leaves(node, name=""):
-    """(dotted name, value) of every int or float leaf of a plain config container."""
+    """(dotted name, value) of every int or float leaf of a plain config container, list items included."""
     if isinstance(node, dict):
         for key, child in node.items():
             yield from _numeric_leaves(child, f"{name}.{key}" if name else key)
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            yield from _numeric_leaves(child, f"{name}[{index}]")
     elif isinstance(node, (int, float)) and not isinstance(node, bool):
         yield name, node
 
@@ -315,8 +318,8 @@ def _numeric_leaves(node, name=""):
 def test_no_number_in_the_config_may_be_negative_nan_or_infinite(experiment):
     """Every number of every group counts, sizes, rates, seeds or weights something: set to -1, NaN or infinity it
     is refused in a line that starts with the field, before any stage (by its own check or the general one).
-    What goes to DeepSpeed, vLLM or Ray Serve as written is theirs to judge; the drafter's token and layer ids are
-    checked against the verifier (tests/integration/test_bad_input_suite.py)."""
+    What goes to DeepSpeed, vLLM, Ray Serve or Ray Train as written is theirs to judge; the drafter's token and
+    layer ids are checked against the verifier (tests/integration/test_bad_input_suite.py)."""
     base = compose([f"experiment={experiment}"] if experiment else [])
     plain = OmegaConf.to_container(base, resolve=False)
     leaves = [(name, value) for name, value in _numeric_leaves(plain) if not name.startswith(UNCHECKED_NUMBERS)]
@@ -360,9 +363,15 @@ def test_an_eval_set_read_from_a_file_or_the_hub_needs_its_path_before_any_stage
 
 
 def test_a_field_a_preset_eval_set_leaves_out_is_named_with_how_to_add_it():
-    with pytest.raises(PipelineError, match=r"the preset does not set it: add it with "
+    with pytest.raises(PipelineError, match=r"the set does not set it: add it with "
                                             r"\+evaluation\.sets\.code\.synthetic\.temperature="):
         compose(["evaluation.sets.code.synthetic.temperature=0.5"])
+    with pytest.raises(PipelineError, match=r"the set does not set it: add it with \+evaluation\.sets\.mine\.path="):
+        compose(["+evaluation.sets.mine={source:jsonl}", "evaluation.sets.mine.path=x.jsonl"])
+    with pytest.raises(PipelineError, match=r"^evaluation\.sets\.mine: evaluation\.sets has no set 'mine'"):
+        compose(["evaluation.sets.mine.path=x.jsonl"])
+    with pytest.raises(PipelineError, match=r"evaluation\.sets\.code\.source is a value, not a mapping"):
+        compose(["evaluation.sets.code.source.x=1"])
     with pytest.raises(PipelineError, match=r"^evaluation\.sets\.code\.bogus: not a field of EvalSetConfig"):
         compose(["evaluation.sets.code.bogus=1"])
 
@@ -398,8 +407,10 @@ def test_how_val_tau_decodes_changes_no_training_when_val_tau_is_only_logged():
 
 
 def test_the_numbers_handed_on_as_written_keep_the_values_their_owners_allow():
-    """vLLM takes -1 for "no limit" in its engine arguments; an interpolated number is checked as it resolves."""
+    """vLLM takes -1 for "no limit" in its engine arguments, Ray Train in max_failures; an interpolated number is
+    checked as it resolves."""
     validate(compose(["+serving.engine_kwargs.max_logprobs=-1"]))
+    validate(compose(["training.max_failures=-1"]))  # Ray Train's FailureConfig: retry without limit
     with pytest.raises(PipelineError, match=r"^data\.shuffle_seed: must be a finite number >= 0, got -1"):
         validate(compose(["data.shuffle_seed=${oc.decode:'-1'}"]))
 
@@ -439,9 +450,31 @@ def test_autocast_auto_is_keyed_by_the_precision_it_trains_in(monkeypatch):
     keys = {}
     for bf16 in (True, False):
         monkeypatch.setattr(precision, "native_bf16", lambda device_type, bf16=bf16: bf16)
-        cpu, gpu = StagePaths(compose([])), StagePaths(compose(["cluster=a100_2x"]))
+        cpu = StagePaths(compose([]))
+        gpu = StagePaths(compose(["cluster=a100_2x", "training.autocast_dtype=auto"]))  # the cluster pins bf16
         keys[bf16] = (cpu.train, cpu.store, gpu.train)
     assert keys[True][0] != keys[False][0] and keys[True][1] == keys[False][1]
     assert keys[True][2] == keys[False][2]
     pinned = [StagePaths(compose(["training.autocast_dtype=bfloat16"])).train for _ in range(2)]
     assert pinned[0] == pinned[1] not in (keys[True][0], keys[False][0])
+
+
+def test_a_jobs_own_value_error_keeps_its_traceback(tmp_path, monkeypatch):
+    """A ValueError the job raises after Hydra composed its config (inside Hydra's run_job) is a fault, not bad
+    input: run_hydra_main re-raises it instead of printing one line and exiting 2."""
+    import sys
+
+    import hydra
+
+    from pipeline.runner import run_hydra_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["job", "hydra.run.dir=."])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored after the test: run_hydra_main sets it to 1
+
+    @hydra.main(version_base="1.3", config_path=None)
+    def job(cfg) -> None:
+        raise ValueError("the job's own fault")
+
+    with pytest.raises(ValueError, match="the job's own fault"):
+        run_hydra_main(job)
