@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.drafters.base import DrafterBase
 from pipeline.drafters.spec import DrafterSpec
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 from pipeline.integrity import verify
 
 SPEC_FILE, WEIGHTS_FILE, STATE_FILE = "spec.json", "drafter.safetensors", "train_state.json"
@@ -45,8 +45,8 @@ def load_checkpoint(folder: Path, verified: bool = True) -> tuple[DrafterBase, d
     for name in (SPEC_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise PipelineError(f"checkpoint: '{folder}' has no {name}")
-    spec = DrafterSpec.from_dict(json.loads((folder / SPEC_FILE).read_text()))
+    spec = DrafterSpec.from_dict(read_json(folder / SPEC_FILE, "checkpoint"))
     model = build_drafter(spec)
     load_trainable_weights(model, folder)
-    state = json.loads((folder / STATE_FILE).read_text()) if (folder / STATE_FILE).is_file() else {}
+    state = read_json(folder / STATE_FILE, "checkpoint") if (folder / STATE_FILE).is_file() else {}
     return model.eval(), state

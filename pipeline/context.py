@@ -59,6 +59,19 @@ class Context:
             self.tracker.set_tags(tags)
 
 
+def load_saved_dataset(folder: Path, field: str):
+    """datasets.load_from_disk of a folder a stage saved (save_dataset_atomic); a damaged one (a truncated arrow
+    file, a missing state file) is a PipelineError naming `field` and the folder: delete it and the stage redoes it."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(folder))
+    except Exception as error:  # pyarrow, datasets and OS errors alike: any of them means the folder is damaged
+        reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        raise PipelineError(f"{field}: the saved dataset '{folder}' cannot be read ({reason}); delete it to redo "
+                            "the stage") from None
+
+
 def save_dataset_atomic(dataset, target: Path) -> None:
     """save_to_disk into a temporary sibling, then rename: readers never see half a dataset."""
     with atomic_folder(target) as staging:

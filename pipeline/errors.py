@@ -1,6 +1,9 @@
 """The one exception type the jobs turn into a one-line error and a non-zero exit."""
 
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 
 class PipelineError(Exception):
@@ -11,6 +14,16 @@ def require(condition: bool, message: str) -> None:
     """Raises PipelineError(message) unless condition holds; message starts with the field it names."""
     if not condition:
         raise PipelineError(message)
+
+
+def read_json(path: Path | str, field: str) -> Any:
+    """The JSON in a file the pipeline wrote or was given; one that cannot be read or parsed (truncated, not UTF-8,
+    nested past Python's recursion limit) is a PipelineError naming `field` and the file, not a traceback."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise PipelineError(f"{field}: '{path}' is not readable JSON ({reason})") from None
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -35,12 +35,11 @@ states come from its own forward).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def check_verifier_family(verifier_path: str) -> None:
     hours of regeneration (a hub id is checked when a stage first reads its config). Raises PipelineError."""
     config_file = Path(verifier_path) / "config.json"
     if config_file.is_file():
-        family_of(text_config_dict(json.loads(config_file.read_text())).get("model_type", ""))
+        family_of(text_config_dict(read_json(config_file, "verifier.path")).get("model_type", ""))
 
 
 def is_multimodal(config: dict[str, Any]) -> bool:
@@ -141,7 +140,7 @@ def verifier_config_dict(verifier_path: str) -> dict[str, Any]:
     read (vLLM then reports the missing model itself, in its own words)."""
     config_file = Path(verifier_path) / "config.json"
     if config_file.is_file():
-        return json.loads(config_file.read_text())
+        return read_json(config_file, "verifier.path")
     from transformers import AutoConfig
 
     try:

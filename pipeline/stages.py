@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.config.schema import STAGE_NAMES
-from pipeline.context import Context
+from pipeline.context import Context, load_saved_dataset
 from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,6 @@ def _regenerate(ctx: Context, results: dict, run_id: str) -> Any:
 
 
 def _capture(ctx: Context, results: dict, run_id: str) -> Any:
-    import datasets
 
     from pipeline.generation.capture_stage import run_capture
 
@@ -38,7 +37,7 @@ def _capture(ctx: Context, results: dict, run_id: str) -> Any:
     if regenerated is None:
         if not ctx.paths.regenerated.is_dir():
             raise PipelineError(f"capture: no regenerated set at {ctx.paths.regenerated}; run jobs/generate.py first")
-        regenerated = datasets.load_from_disk(str(ctx.paths.regenerated))
+        regenerated = load_saved_dataset(ctx.paths.regenerated, "capture")
     return run_capture(ctx, regenerated)
 
 

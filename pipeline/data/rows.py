@@ -52,6 +52,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise PipelineError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
+            except RecursionError:
+                raise PipelineError(f"{where} is JSON nested too deeply to read") from None
             if not isinstance(row, dict):
                 raise PipelineError(f"{where} is a JSON {_kind(row)}, not an object with a prompt or messages")
             yield where, row

@@ -6,7 +6,7 @@ import logging
 
 import datasets
 
-from pipeline.context import Context, save_dataset_atomic
+from pipeline.context import Context, load_saved_dataset, save_dataset_atomic
 from pipeline.data.prompts import WRITTEN_BY_THE_VERIFIER, load_prompts, split_prompts
 
 log = logging.getLogger(__name__)
@@ -19,8 +19,8 @@ def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
         train, held_out = split_prompts(load_prompts(ctx.cfg.data, writer), ctx.cfg.data)
         save_dataset_atomic(train, folder / "train")
         save_dataset_atomic(held_out, folder / "held_out")
-    train = datasets.load_from_disk(str(folder / "train"))
-    held_out = datasets.load_from_disk(str(folder / "held_out"))
+    train = load_saved_dataset(folder / "train", "prompts")
+    held_out = load_saved_dataset(folder / "held_out", "prompts")
     log.info("prompts: %d train, %d held out (%s)", len(train), len(held_out), folder)
     ctx.log_metrics({"prompts.train": len(train), "prompts.held_out": len(held_out)})
     ctx.set_tags({"prompts.key": ctx.paths.prompts_key, "prompts.source": ctx.cfg.data.source})

@@ -124,7 +124,25 @@ def projected_store_bytes(num_tokens: int, num_layers: int, hidden_size: int, dt
     return num_tokens * (num_layers * (hidden_size * per_value) + scales + 8 + 1)
 
 
+def check_shard_whole(path: Path) -> None:
+    """A shard is written under a temporary name and renamed whole, so one that is shorter or longer than its own
+    safetensors header says (8-byte header length, the JSON header, then the tensors' bytes) was damaged after it
+    was written. Cheap: reads the header only. Raises PipelineError naming the file."""
+    try:
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_size)) if 0 < header_size <= path.stat().st_size else {}
+        data_bytes = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=-1)
+        whole = path.stat().st_size == 8 + header_size + data_bytes
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError):
+        whole = False
+    if not whole:
+        raise PipelineError(f"store: shard '{path}' is damaged (its size does not match its header); delete it and "
+                            "rerun to capture its samples again")
+
+
 def read_shard_entry(path: Path) -> dict:
+    check_shard_whole(path)
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
         offsets = handle.get_tensor("offsets")
@@ -137,9 +155,15 @@ def read_shard_entry(path: Path) -> dict:
 
 
 def scan_shards(store_dir: Path, known: dict[str, dict] | None = None) -> list[dict]:
-    """Entries for every complete shard on disk; reuse `known` entries (by file name) instead of re-hashing."""
+    """Entries for every complete shard on disk; reuse `known` entries (by file name) instead of re-hashing, once the
+    file is still whole (check_shard_whole). Raises PipelineError naming a damaged shard."""
     known = known or {}
-    return [known.get(p.name) or read_shard_entry(p) for p in sorted(store_dir.glob(SHARD_GLOB))]
+    entries = []
+    for path in sorted(store_dir.glob(SHARD_GLOB)):
+        if path.name in known:
+            check_shard_whole(path)
+        entries.append(known.get(path.name) or read_shard_entry(path))
+    return entries
 
 
 def load_manifest(store_dir: Path) -> dict | None:

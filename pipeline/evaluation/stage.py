@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.context import Context
 from pipeline.data.chat import prompt_ids
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 from pipeline.evaluation.eval_sets import eval_sets
 from pipeline.evaluation.gate import evaluation_signature
 from pipeline.evaluation.measured_drafter import decoding_drafter
@@ -125,8 +125,12 @@ def _finished_report(folder: Path, checkpoint: Path) -> dict | None:
     """A complete report of this checkpoint under these settings (the folder is content-addressed by both)."""
     if not (folder / "report.json").is_file() or not (folder / REQUESTS_FILE).is_file():
         return None
-    report = load_report(folder)
-    return report if report.get("checkpoint") == str(checkpoint) else None
+    try:
+        report = load_report(folder)
+    except PipelineError as error:  # damaged after it was written (it is renamed into place whole): measure again
+        log.warning("evaluate: %s; measuring again", error)
+        return None
+    return report if isinstance(report, dict) and report.get("checkpoint") == str(checkpoint) else None
 
 
 def _publish(ctx: Context, report: dict, folder: Path) -> None:
@@ -187,8 +191,8 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
 
 
 def load_report(folder: Path) -> dict:
-    return json.loads((folder / "report.json").read_text())
+    return read_json(folder / "report.json", "evaluate")
 
 
 def load_requests(folder: Path) -> list[dict]:
-    return json.loads((folder / REQUESTS_FILE).read_text())
+    return read_json(folder / REQUESTS_FILE, "evaluate")

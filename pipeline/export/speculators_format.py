@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.drafters.base import DrafterBase
 from pipeline.drafters.spec import DrafterSpec
 from pipeline.drafters.vocab import ids_from_d2t
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 from pipeline.fsutil import atomic_folder
 
 SPECULATORS_VERSION = "0.9.0"
@@ -144,7 +144,7 @@ def load_speculators(folder: Path, verifier_path: str | None = None):
     from pipeline.drafters.build import build_drafter
 
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json", "export")
     weights = {k: v.float() if v.is_floating_point() else v for k, v in
                load_file(str(folder / "model.safetensors")).items()}
     spec = spec_from_speculators(config, weights, verifier_path)

@@ -20,7 +20,7 @@ from pipeline.data.store import (
     scan_shards,
     write_manifest,
 )
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 from pipeline.generation.batching import pack_by_token_budget
 from pipeline.generation.common import (
     REGENERATION_INFO,
@@ -42,7 +42,7 @@ def _check_regenerated_tokenizer(ctx: Context, fingerprint: str) -> None:
     info_path = ctx.paths.regenerated / REGENERATION_INFO
     if not info_path.is_file():
         return
-    made_with = json.loads(info_path.read_text()).get("tokenizer_fingerprint")
+    made_with = read_json(info_path, "capture").get("tokenizer_fingerprint")
     if made_with and made_with != fingerprint:
         raise PipelineError(
             f"capture: the regenerated set {ctx.paths.regenerated} was tokenized with a different tokenizer "

@@ -13,7 +13,7 @@ from typing import Any
 
 import datasets
 
-from pipeline.context import Context
+from pipeline.context import Context, load_saved_dataset
 from pipeline.data.chat import tokenize_conversation, tokenizer_fingerprint
 from pipeline.data.store import projected_store_bytes
 from pipeline.errors import PipelineError
@@ -124,7 +124,7 @@ def run_regenerate(ctx: Context, train_prompts: datasets.Dataset) -> datasets.Da
     """Self-distillation: the verifier answers every user turn; rows gain input_ids and a per-turn loss_mask."""
     folder, parts_dir = ctx.paths.regenerated, ctx.paths.regenerated_parts
     if folder.is_dir():
-        regenerated = datasets.load_from_disk(str(folder))
+        regenerated = load_saved_dataset(folder, "regenerate")
         log.info("regenerate: reusing %d samples from %s", len(regenerated), folder)
         ctx.set_tags({"regenerated.reused": True})
         return regenerated

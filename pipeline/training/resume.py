@@ -20,7 +20,7 @@ from typing import Optional
 from pipeline.checkpoint import SPEC_FILE, STATE_FILE
 from pipeline.config.schema import TrainingConfig
 from pipeline.drafters.spec import DrafterSpec
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 from pipeline.integrity import is_intact, verify
 
 DEEPSPEED_DIR, DEEPSPEED_TAG, UNIVERSAL_TAG = "deepspeed", "state", "state_universal"
@@ -28,7 +28,16 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def drafter_identity(spec: dict) -> dict:
-    """What must match for a checkpoint to continue a run: the same drafter shape on the same verifier."""
+    """What must match for a checkpoint to continue a run: the same drafter shape on the same verifier. Raises
+    PipelineError for a spec.json that is not a drafter spec."""
+    try:
+        return _identity(spec)
+    except (KeyError, TypeError, AttributeError):
+        raise PipelineError(f"checkpoint: {SPEC_FILE} is not a drafter spec (no algorithm, verifier and layer "
+                            "config)") from None
+
+
+def _identity(spec: dict) -> dict:
     layer = spec["transformer_layer_config"]
     return {"algorithm": spec["algorithm"], "verifier": spec["verifier_name"],
             "verifier hidden_size": layer.get("hidden_size"), "verifier vocab_size": layer.get("vocab_size"),
@@ -68,7 +77,12 @@ def _difference(key: str, saved, ours) -> str:
 
 
 def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
-    theirs, ours = drafter_identity(saved), drafter_identity(spec.to_dict())
+    try:
+        theirs = drafter_identity(saved)
+    except PipelineError:
+        raise PipelineError(f"training.resume_from: '{folder / SPEC_FILE}' is not a drafter spec (no algorithm, "
+                            "verifier and layer config)") from None
+    ours = drafter_identity(spec.to_dict())
     for key, value in ours.items():
         if theirs[key] != value:
             raise PipelineError(f"training.resume_from: checkpoint '{folder}' has "
@@ -83,9 +97,9 @@ def read_resume_point(folder: Optional[Path], spec: DrafterSpec) -> Optional[Res
     for name in (SPEC_FILE, STATE_FILE):
         if not (folder / name).is_file():
             raise PipelineError(f"training.resume_from: '{folder}' has no {name} (not a training checkpoint)")
-    check_same_drafter(json.loads((folder / SPEC_FILE).read_text()), spec, folder)  # JSON: safe to read first
-    state = json.loads((folder / STATE_FILE).read_text())
-    if "global_batch" not in state:
+    check_same_drafter(read_json(folder / SPEC_FILE, "training.resume_from"), spec, folder)  # JSON: safe first
+    state = read_json(folder / STATE_FILE, "training.resume_from")
+    if not isinstance(state, dict) or "global_batch" not in state:
         raise PipelineError(f"training.resume_from: '{folder}' holds weights only (no optimizer state to resume)")
     verify(folder, "training.resume_from")  # before DeepSpeed unpickles a single file of it
     return ResumePoint(folder=folder, step=int(state["step"]), global_batch=int(state["global_batch"]),
@@ -160,7 +174,7 @@ def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
     best, best_step = None, -1
     for folder in run_dir.glob("checkpoint_*") if run_dir.is_dir() else []:
         if _is_complete(folder):
-            step = int(json.loads((folder / STATE_FILE).read_text())["step"])
+            step = int(read_json(folder / STATE_FILE, "train")["step"])
             if step > best_step:
                 best, best_step = folder, step
     return best

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -18,7 +17,7 @@ from pipeline.data.chat import tokenizer_fingerprint
 from pipeline.data.store import iter_trained_tokens, verify_store
 from pipeline.drafters.build import default_mask_token_id, make_spec
 from pipeline.drafters.vocab import most_frequent_tokens
-from pipeline.errors import PipelineError, remote_cause
+from pipeline.errors import PipelineError, read_json, remote_cause
 from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
@@ -140,7 +139,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     chosen, score = _final_checkpoint(result, select_by if cfg.training.val_samples > 0 else None)
     with chosen.as_directory() as folder:
         copy_folder_atomic(Path(folder), final)
-    state = json.loads((final / STATE_FILE).read_text())
+    state = read_json(final / STATE_FILE, "train")
     log.info("train: finished; the final checkpoint is step %s%s: %s", state.get("step"),
              f" (best {select_by} {score:.4f})" if score is not None else "", final)
     if score is not None:

@@ -1,0 +1,95 @@
+"""Files the pipeline wrote (or was given) that were damaged afterwards: each is refused in one line naming the field
+and the file, never a traceback, and a damaged store shard is never counted as captured on a rerun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline.errors import PipelineError, read_json
+
+
+@pytest.mark.parametrize("content", [b'{"step": 3', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000],
+                         ids=["truncated", "not-utf8", "nested"])
+def test_a_damaged_json_file_is_one_line_naming_the_field_and_file(tmp_path, content):
+    path = tmp_path / "train_state.json"
+    path.write_bytes(content)
+    with pytest.raises(PipelineError, match=rf"^training\.resume_from: '{path}' is not readable JSON \("):
+        read_json(path, "training.resume_from")
+
+
+def test_a_jsonl_line_nested_too_deeply_is_refused_by_its_number(tmp_path):
+    from pipeline.data.rows import read_jsonl
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(PipelineError, match=r"^data\.path: line 2 of .* is JSON nested too deeply to read"):
+        list(read_jsonl(path))
+
+
+def test_a_truncated_saved_dataset_is_one_line_naming_the_folder(tmp_path):
+    import datasets
+
+    from pipeline.context import load_saved_dataset, save_dataset_atomic
+
+    folder = tmp_path / "prompts" / "train"
+    save_dataset_atomic(datasets.Dataset.from_dict({"sample_id": ["a", "b"], "text": ["x", "y"]}), folder)
+    assert len(load_saved_dataset(folder, "prompts")) == 2
+    for arrow in folder.glob("*.arrow"):
+        arrow.write_bytes(arrow.read_bytes()[:50])
+    with pytest.raises(PipelineError, match=rf"^prompts: the saved dataset '{folder}' cannot be read \(.*delete it"):
+        load_saved_dataset(folder, "prompts")
+
+
+def _shard(path: Path) -> Path:
+    save_file({"offsets": torch.tensor([0, 3, 5]), "hidden": torch.zeros(5, 4)}, str(path),
+              metadata={"sample_ids": json.dumps(["a", "b"])})
+    return path
+
+
+def test_a_truncated_or_stray_shard_is_never_counted_as_captured(tmp_path):
+    from pipeline.data.store import read_shard_entry, scan_shards
+
+    whole = _shard(tmp_path / "shard-00000000000000aa.safetensors")
+    entry = read_shard_entry(whole)
+    assert entry["num_tokens"] == 5 and entry["sample_ids"] == ["a", "b"]
+    assert scan_shards(tmp_path, {whole.name: entry}) == [entry]
+    whole.write_bytes(whole.read_bytes()[:100])  # the manifest still lists it: a rerun must not trust the name
+    with pytest.raises(PipelineError, match=rf"^store: shard '{whole}' is damaged .*delete it and rerun"):
+        scan_shards(tmp_path, {whole.name: entry})
+    whole.unlink()
+    stray = tmp_path / "shard-00000000000000bb.safetensors"
+    stray.write_text("garbage")
+    with pytest.raises(PipelineError, match=rf"^store: shard '{stray}' is damaged"):
+        scan_shards(tmp_path)
+    longer = _shard(tmp_path / "shard-00000000000000cc.safetensors")
+    stray.unlink()
+    longer.write_bytes(longer.read_bytes() + b"\0")
+    with pytest.raises(PipelineError, match="is damaged"):
+        scan_shards(tmp_path)
+
+
+def test_a_damaged_evaluation_report_is_measured_again(tmp_path):
+    from pipeline.evaluation.stage import REQUESTS_FILE, _finished_report
+
+    checkpoint = tmp_path / "final"
+    (tmp_path / REQUESTS_FILE).write_text("[]")
+    (tmp_path / "report.json").write_text(json.dumps({"checkpoint": str(checkpoint), "pooled_tau": 1.5}))
+    assert _finished_report(tmp_path, checkpoint)["pooled_tau"] == 1.5
+    (tmp_path / "report.json").write_text('{"checkpoint": "')
+    assert _finished_report(tmp_path, checkpoint) is None
+
+
+@pytest.mark.parametrize("spec_json", ["{", "{}", "[]"])
+def test_resume_from_a_folder_whose_spec_is_not_a_drafter_spec_is_one_line(tmp_path, spec_json):
+    from pipeline.drafters.spec import DrafterSpec
+    from pipeline.training.resume import SPEC_FILE, STATE_FILE, read_resume_point
+
+    (tmp_path / SPEC_FILE).write_text(spec_json)
+    (tmp_path / STATE_FILE).write_text("{}")
+    with pytest.raises(PipelineError, match=r"^training\.resume_from: "):
+        read_resume_point(tmp_path, DrafterSpec.__new__(DrafterSpec))
