@@ -30,7 +30,6 @@ def _regenerate(ctx: Context, results: dict, run_id: str) -> Any:
 
 
 def _capture(ctx: Context, results: dict, run_id: str) -> Any:
-
     from pipeline.generation.capture_stage import run_capture
 
     regenerated = results.get("regenerate")

@@ -115,7 +115,6 @@ def validate(cfg: DictConfig) -> None:
     _validate_evaluation(cfg.evaluation)
     _validate_no_credentials(cfg)
     _validate_serving(cfg.serving)
-    _check_autoscaling(cfg.serving.autoscaling)
     _validate_generation_parallelism(cfg.generation)
     _validate_cluster_shape(cfg)
     _require(cfg.training.num_workers >= 1, "training.num_workers: must be >= 1")
@@ -346,3 +345,4 @@ def _validate_serving(serving: DictConfig) -> None:
         from pipeline.serving.registry import check_model_uri
 
         check_model_uri(str(serving.model))
+    _check_autoscaling(serving.autoscaling)

@@ -129,11 +129,12 @@ def check_shard_whole(path: Path) -> None:
     safetensors header says (8-byte header length, the JSON header, then the tensors' bytes) was damaged after it
     was written. Cheap: reads the header only. Raises PipelineError naming the file."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as handle:
             header_size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_size)) if 0 < header_size <= path.stat().st_size else {}
+            header = json.loads(handle.read(header_size)) if 0 < header_size <= size else {}
         data_bytes = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=-1)
-        whole = path.stat().st_size == 8 + header_size + data_bytes
+        whole = size == 8 + header_size + data_bytes
     except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError):
         whole = False
     if not whole:
@@ -162,7 +163,9 @@ def scan_shards(store_dir: Path, known: dict[str, dict] | None = None) -> list[d
     for path in sorted(store_dir.glob(SHARD_GLOB)):
         if path.name in known:
             check_shard_whole(path)
-        entries.append(known.get(path.name) or read_shard_entry(path))
+            entries.append(known[path.name])
+        else:
+            entries.append(read_shard_entry(path))  # checks the shard whole too
     return entries
 
 

@@ -28,16 +28,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def drafter_identity(spec: dict) -> dict:
-    """What must match for a checkpoint to continue a run: the same drafter shape on the same verifier. Raises
-    PipelineError for a spec.json that is not a drafter spec."""
-    try:
-        return _identity(spec)
-    except (KeyError, TypeError, AttributeError):
-        raise PipelineError(f"checkpoint: {SPEC_FILE} is not a drafter spec (no algorithm, verifier and layer "
-                            "config)") from None
-
-
-def _identity(spec: dict) -> dict:
+    """What must match for a checkpoint to continue a run: the same drafter shape on the same verifier."""
     layer = spec["transformer_layer_config"]
     return {"algorithm": spec["algorithm"], "verifier": spec["verifier_name"],
             "verifier hidden_size": layer.get("hidden_size"), "verifier vocab_size": layer.get("vocab_size"),
@@ -79,7 +70,7 @@ def _difference(key: str, saved, ours) -> str:
 def check_same_drafter(saved: dict, spec: DrafterSpec, folder: Path) -> None:
     try:
         theirs = drafter_identity(saved)
-    except PipelineError:
+    except (KeyError, TypeError, AttributeError):  # valid JSON, but not what save_checkpoint writes
         raise PipelineError(f"training.resume_from: '{folder / SPEC_FILE}' is not a drafter spec (no algorithm, "
                             "verifier and layer config)") from None
     ours = drafter_identity(spec.to_dict())
