@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -72,3 +73,18 @@ def atomic_folder(target: Path) -> Iterator[Path]:
 def copy_folder_atomic(source: Path, target: Path) -> None:
     with atomic_folder(target) as staging:
         shutil.copytree(source, staging, dirs_exist_ok=True)
+
+
+def safetensors_is_whole(path: Path) -> bool:
+    """Whether a safetensors file is exactly as long as its own header says (8-byte header length, the JSON header,
+    then the tensors' bytes): a truncated copy, a file cut short by a full disk, or one with bytes appended is not.
+    Cheap: reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_size)) if 0 < header_size <= size else {}
+        data_bytes = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=-1)
+        return size == 8 + header_size + data_bytes
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError):
+        return False

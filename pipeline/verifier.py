@@ -20,8 +20,8 @@ from typing import Any, Callable, Collection, Iterable
 import torch
 from filelock import FileLock
 
-from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_folder
+from pipeline.errors import PipelineError, read_json
+from pipeline.fsutil import atomic_folder, safetensors_is_whole
 from pipeline.paths import chat_additions
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,57 @@ def resolve_verifier_path(verifier_cfg: Any) -> str:
 def _resolve_explicit_path(path: str) -> str:
     local = Path(path).expanduser()
     if local.exists():
-        if not (local / "config.json").is_file():
-            raise PipelineError(f"verifier.path: '{local}' has no config.json (not an HF model folder)")
+        check_model_folder(local, "verifier.path")
         return str(local.resolve())
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise PipelineError(f"verifier.path: '{path}' does not exist")
     return path
+
+
+# transformers builds a tokenizer from one of these: a fast tokenizer's JSON, a SentencePiece model, a BPE or WordPiece
+# vocabulary (tiktoken files, `*.tiktoken`, are looked for by their suffix).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+# An index of sharded weights first (its shards are what loads), else a single file.
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def check_model_folder(folder: Path, field: str) -> None:
+    """Checks, before any stage loads it, that an HF model folder can load: config.json that parses, tokenizer files,
+    weights (a single file or every shard its index names), and every safetensors file as long as its header says
+    (a copy cut short fails here, not minutes later inside a Ray actor). Raises PipelineError naming `field` and the
+    folder or file."""
+    if not folder.is_dir():
+        raise PipelineError(f"{field}: '{folder}' is not a folder (an HF model folder or a hub id)")
+    if not (folder / "config.json").is_file():
+        raise PipelineError(f"{field}: '{folder}' has no config.json (not an HF model folder)")
+    read_json(folder / "config.json", field)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise PipelineError(f"{field}: '{folder}' has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    for weights in _weight_files(folder, field):
+        if weights.suffix == ".safetensors" and not safetensors_is_whole(weights):
+            raise PipelineError(f"{field}: '{weights}' is damaged (its size does not match its safetensors header); "
+                                "copy or convert the model again")
+
+
+def _weight_files(folder: Path, field: str) -> list[Path]:
+    for index_name in WEIGHT_INDEXES:
+        index = folder / index_name
+        if index.is_file():
+            index_json = read_json(index, field)
+            weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise PipelineError(f"{field}: '{index}' has no weight_map naming the shards")
+            shards = [folder / name for name in sorted({str(name) for name in weight_map.values()})]
+            missing = [shard for shard in shards if not shard.is_file()]
+            if missing:
+                raise PipelineError(f"{field}: '{missing[0]}' is missing ({index_name} names it)")
+            return shards
+    single = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not single:
+        raise PipelineError(f"{field}: '{folder}' has no weights ({' or '.join(WEIGHT_FILES)}, or a sharded index)")
+    return single
 
 
 def packaged_file(package: str, filename: str) -> Path:
@@ -132,9 +176,15 @@ def converted_folder_name(verifier_cfg: Any) -> str:
 
 
 def _is_plain_hf_folder(folder: Path) -> bool:
-    """A finished conversion: an HF config that no longer claims GGUF quantization (vLLM refuses that claim)."""
+    """A finished conversion: an HF config that no longer claims GGUF quantization (vLLM refuses that claim), whose
+    weights are whole. One damaged after it was written (a full disk, a cut copy) is built again."""
     config = folder / "config.json"
-    return config.is_file() and "quantization_config" not in json.loads(config.read_text())
+    try:
+        plain = config.is_file() and "quantization_config" not in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    weights = list(folder.glob("*.safetensors"))
+    return plain and bool(weights) and all(safetensors_is_whole(path) for path in weights)
 
 
 # A converted verifier must find this plausible. A broken conversion (a lost BOS, wrongly offset norms, a wrong

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_text, publish
+from pipeline.fsutil import atomic_write_text, publish, safetensors_is_whole
 from pipeline.integrity import sha256_file
 
 MANIFEST = "manifest.json"
@@ -126,18 +126,9 @@ def projected_store_bytes(num_tokens: int, num_layers: int, hidden_size: int, dt
 
 def check_shard_whole(path: Path) -> None:
     """A shard is written under a temporary name and renamed whole, so one that is shorter or longer than its own
-    safetensors header says (8-byte header length, the JSON header, then the tensors' bytes) was damaged after it
-    was written. Cheap: reads the header only. Raises PipelineError naming the file."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            header_size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_size)) if 0 < header_size <= size else {}
-        data_bytes = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=-1)
-        whole = size == 8 + header_size + data_bytes
-    except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError):
-        whole = False
-    if not whole:
+    safetensors header says was damaged after it was written (fsutil.safetensors_is_whole). Raises PipelineError
+    naming the file."""
+    if not safetensors_is_whole(path):
         raise PipelineError(f"store: shard '{path}' is damaged (its size does not match its header); delete it and "
                             "rerun to capture its samples again")
 

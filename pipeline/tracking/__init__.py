@@ -57,6 +57,31 @@ def refuse_links(path: Path) -> None:
                                 "stage wrote (the link would publish what it points at)")
 
 
+def tracking_uri_field(cfg: DictConfig) -> str:
+    """Where the tracking URI comes from, to name in an error: the config field, the environment variable, or
+    paths.root (the local store under it)."""
+    if cfg.tracking.tracking_uri:
+        return "tracking.tracking_uri"
+    return "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "paths.root"
+
+
+def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> None:
+    """An http(s) tracking server that accepts no connection is a PipelineError naming `field` at once, instead of
+    after MLflow's retries (minutes) and a traceback. Other schemes are left to MLflow."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        raise PipelineError(f"{field}: no MLflow server answers at '{uri}' ({reason})") from None
+
+
 def tracking_uri(cfg: DictConfig) -> str:
     if cfg.tracking.tracking_uri:
         refuse_credentials(str(cfg.tracking.tracking_uri), "tracking.tracking_uri")
@@ -172,7 +197,7 @@ def mlflow_errors_as(field: str, what: str) -> Iterator[None]:
     try:
         yield
     except MlflowException as error:
-        raise PipelineError(f"{field}: {what}: {str(error).splitlines()[0]}") from error
+        raise PipelineError(f"{field}: {what}: {str(error).strip().splitlines()[0]}") from error
 
 
 def check_alias_name(alias: str, field: str) -> None:
@@ -211,8 +236,13 @@ class Tracker:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         self.cfg = cfg
         self.uri = tracking_uri(cfg)
-        self.client = mlflow.MlflowClient(self.uri)
-        self.experiment_id = self._experiment(cfg.tracking.experiment_name)
+        # The first contact with the store: an unusable URI (a file store MLflow 3 refuses, an unknown scheme, a
+        # server that is down) is one line naming where the URI came from.
+        field = tracking_uri_field(cfg)
+        check_server_reachable(self.uri, field)
+        with mlflow_errors_as(field, f"MLflow cannot use '{self.uri}'"):
+            self.client = mlflow.MlflowClient(self.uri)
+            self.experiment_id = self._experiment(cfg.tracking.experiment_name)
         self._active: list[str] = []
 
     def _experiment(self, name: str) -> str:
@@ -329,7 +359,7 @@ class Tracker:
             if error.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None
             raise PipelineError(f"registry: cannot read alias '{alias}' of '{name}' ({error.error_code}: "
-                                f"{str(error).splitlines()[0]}); nothing is promoted on doubt") from error
+                                f"{str(error).strip().splitlines()[0]}); nothing is promoted on doubt") from error
         except Exception as error:  # a dropped connection, a timeout: no answer is not "no champion"
             raise PipelineError(f"registry: cannot read alias '{alias}' of '{name}' ({type(error).__name__}: "
                                 f"{error}); nothing is promoted on doubt") from error

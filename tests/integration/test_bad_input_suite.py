@@ -250,6 +250,27 @@ def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path
     assert "hunter2" not in err and err.strip().splitlines()[-1].startswith("error: MLFLOW_TRACKING_URI: '")
 
 
+# (a tracking URI MLflow cannot use, what the one line must say after "MLflow cannot use '<uri>': ")
+UNUSABLE_TRACKING_URIS = [
+    ("file://{tmp}/mlruns", r"MLflow cannot use 'file://.*/mlruns': The filesystem tracking backend"),
+    ("{tmp}/mlruns", r"MLflow cannot use '.*/mlruns': The filesystem tracking backend"),
+    ("nosuchscheme://host/store", r"MLflow cannot use 'nosuchscheme://host/store': .*unsupported URI"),
+    ("http://127.0.0.1:1", r"no MLflow server answers at 'http://127\.0\.0\.1:1' \(Connection refused\)"),
+]
+
+
+@pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS, ids=["file", "path", "scheme", "no_server"])
+def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, message, tmp_path, capsys, monkeypatch):
+    uri = uri.format(tmp=tmp_path)
+    assert run_job(compose([f"paths.root={tmp_path}", f"tracking.tracking_uri={uri}"]), "pipeline") == 2
+    line = _error_line(capsys)
+    assert re.fullmatch(r"error: tracking\.tracking_uri: " + message + ".*", line), line
+    assert not (tmp_path / "prompts").exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the same URI from the environment names the variable
+    assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
+    assert re.fullmatch(r"error: MLFLOW_TRACKING_URI: " + message + ".*", _error_line(capsys))
+
+
 @pytest.mark.parametrize("aux, message", [
     ("[3,1,2]", r"\[3, 1, 2\] is not in increasing order; vLLM concatenates .* \(\[1, 2, 3\]\)"),
     ("[1,2,6]", r"6 is outside 1\.\.5 for this verifier of 6 layers \(layer 6's state is stored after the final"),

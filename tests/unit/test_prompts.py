@@ -54,6 +54,14 @@ def test_missing_prompt_file_names_it(tmp_path):
         load_prompts(data_cfg(path=str(tmp_path / "nope.jsonl")))
 
 
+@pytest.mark.parametrize("source", ["jsonl", "parquet"])
+def test_a_folder_given_as_the_prompt_file_is_named_as_a_folder(source, tmp_path):
+    folder = tmp_path / "prompts.jsonl"
+    folder.mkdir()
+    with pytest.raises(PipelineError, match=r"data\.path: prompt file .*prompts\.jsonl' is a folder, not a file"):
+        load_prompts(data_cfg(source=source, path=str(folder)))
+
+
 def test_empty_dataset_is_a_clear_error(tmp_path):
     import datasets
 

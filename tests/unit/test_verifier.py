@@ -38,6 +38,116 @@ def test_a_folder_that_is_not_a_model_is_refused(tmp_path):
         resolve_verifier_path(verifier_cfg(path=str(tmp_path)))
 
 
+def _copy_of(tiny_verifier_path: str, tmp_path: Path) -> Path:
+    import shutil
+
+    folder = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_path, folder)
+    return folder
+
+
+def _remove_tokenizer(folder: Path) -> None:
+    for path in folder.glob("tokenizer*"):
+        path.unlink()
+
+
+def _truncate_weights(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def _append_to_weights(folder: Path) -> None:
+    with open(folder / "model.safetensors", "ab") as handle:
+        handle.write(b"\0" * 16)
+
+
+def _text_as_weights(folder: Path) -> None:
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+
+
+def _remove_weights(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+
+
+def _index_naming_a_missing_shard(folder: Path) -> None:
+    import json
+
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _index_without_weight_map(folder: Path) -> None:
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+
+
+def _index_cut_short(folder: Path) -> None:
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')
+
+
+def _config_cut_short(folder: Path) -> None:
+    (folder / "config.json").write_text('{"model_type": "lla')
+
+
+# (how the folder is damaged, what the one line must say after 'verifier.path: ')
+DAMAGED_FOLDERS = [
+    (_remove_tokenizer, r"'.*/verifier' has no tokenizer files \(one of tokenizer\.json, tokenizer\.model"),
+    (_truncate_weights, r"'.*/verifier/model\.safetensors' is damaged \(its size does not match its safetensors"),
+    (_append_to_weights, r"'.*/verifier/model\.safetensors' is damaged"),
+    (_text_as_weights, r"'.*/verifier/model\.safetensors' is damaged"),
+    (_remove_weights, r"'.*/verifier' has no weights \(model\.safetensors or pytorch_model\.bin"),
+    (_index_naming_a_missing_shard,
+     r"'.*/verifier/model-00002-of-00002\.safetensors' is missing \(model\.safetensors\.index\.json names it\)"),
+    (_index_without_weight_map, r"'.*/model\.safetensors\.index\.json' has no weight_map naming the shards"),
+    (_index_cut_short, r"'.*/model\.safetensors\.index\.json' is not readable JSON"),
+    (_config_cut_short, r"'.*/verifier/config\.json' is not readable JSON"),
+]
+
+
+@pytest.mark.parametrize("damage, message", DAMAGED_FOLDERS, ids=[case[0].__name__[1:] for case in DAMAGED_FOLDERS])
+def test_a_verifier_folder_that_cannot_load_is_named_before_any_stage(damage, message, tiny_verifier_path, tmp_path):
+    folder = _copy_of(tiny_verifier_path, tmp_path)
+    damage(folder)
+    with pytest.raises(PipelineError, match=r"^verifier\.path: " + message):
+        resolve_verifier_path(verifier_cfg(path=str(folder)))
+
+
+def test_a_sharded_verifier_whose_shards_are_all_there_and_whole_is_used(tiny_verifier_path, tmp_path):
+    import json
+
+    folder = _copy_of(tiny_verifier_path, tmp_path)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert resolve_verifier_path(verifier_cfg(path=str(folder))) == str(folder.resolve())
+
+
+def test_a_file_given_as_the_verifier_folder_is_named(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    with pytest.raises(PipelineError, match=r"^verifier\.path: '.*model\.safetensors' is not a folder"):
+        resolve_verifier_path(verifier_cfg(path=str(weights)))
+
+
+def test_a_converted_verifier_damaged_after_it_was_written_is_built_again(tiny_verifier_path, tmp_path):
+    """The conversion cache (a GGUF or a tiny verifier built once) is rebuilt when its weights are no longer whole,
+    instead of being handed to every stage as finished."""
+    import pipeline.verifier as verifier
+
+    target = _copy_of(tiny_verifier_path, tmp_path)
+    rebuilt = []
+
+    def write(staging: Path) -> None:
+        rebuilt.append(staging)
+        import shutil
+
+        shutil.copytree(tiny_verifier_path, staging, dirs_exist_ok=True)
+    assert verifier._built_once(target, write) == target and rebuilt == []  # whole: reused
+    _truncate_weights(target)
+    assert verifier._built_once(target, write) == target and len(rebuilt) == 1
+    assert verifier._is_plain_hf_folder(target)  # whole again
+
+
 def test_a_missing_package_is_named():
     with pytest.raises(PipelineError, match="package 'no_such_pkg' is not installed"):
         resolve_verifier_path(verifier_cfg(gguf_package="no_such_pkg", gguf_file="x.gguf"))
@@ -53,6 +163,9 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
     import threading
     import time
 
+    import torch
+    from safetensors.torch import save_file
+
     import pipeline.verifier as verifier
 
     conversions = []
@@ -61,6 +174,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
         conversions.append(out_dir)
         time.sleep(0.5)  # long enough that the other thread asks while this one converts
         (out_dir / "config.json").write_text("{}")
+        save_file({"weight": torch.zeros(2)}, str(out_dir / "model.safetensors"))
 
     monkeypatch.setattr(verifier, "_save_gguf_as_hf", slow_conversion)
     monkeypatch.setattr(verifier, "packaged_file", lambda package, filename: tmp_path / filename)
