@@ -67,12 +67,16 @@ def tracking_uri_field(cfg: DictConfig) -> str:
 
 def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> None:
     """An http(s) tracking server that accepts no connection is a PipelineError naming `field` at once, instead of
-    after MLflow's retries (minutes) and a traceback. Other schemes are left to MLflow."""
+    after MLflow's retries (minutes) and a traceback. Other schemes, and a server reached through a proxy
+    (HTTP(S)_PROXY, which MLflow's requests honour and a direct connection would not), are left to MLflow."""
     import socket
+    import urllib.request
     from urllib.parse import urlsplit
 
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname):
         return
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -262,6 +262,8 @@ UNUSABLE_TRACKING_URIS = [
 @pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS, ids=["file", "path", "scheme", "no_server"])
 def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, message, tmp_path, capsys, monkeypatch):
     uri = uri.format(tmp=tmp_path)
+    for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):  # the server is reached directly
+        monkeypatch.delenv(proxy, raising=False)
     assert run_job(compose([f"paths.root={tmp_path}", f"tracking.tracking_uri={uri}"]), "pipeline") == 2
     line = _error_line(capsys)
     assert re.fullmatch(r"error: tracking\.tracking_uri: " + message + ".*", line), line
@@ -269,6 +271,20 @@ def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, mess
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the same URI from the environment names the variable
     assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
     assert re.fullmatch(r"error: MLFLOW_TRACKING_URI: " + message + ".*", _error_line(capsys))
+
+
+def test_a_tracking_server_behind_a_proxy_is_left_to_mlflow(monkeypatch):
+    """MLflow's requests go through HTTP(S)_PROXY, a direct connection would not: only a server reached directly
+    is probed."""
+    from pipeline.tracking import check_server_reachable
+
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    check_server_reachable("http://127.0.0.1:1", "tracking.tracking_uri")  # proxied: not probed
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    with pytest.raises(PipelineError, match=r"^tracking\.tracking_uri: no MLflow server answers"):
+        check_server_reachable("http://127.0.0.1:1", "tracking.tracking_uri")
 
 
 @pytest.mark.parametrize("aux, message", [
