@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException, ConfigCompositionException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
@@ -46,11 +46,34 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
         except (CompactHydraException, ValueError) as error:
             if not is_composition_error(error):
                 raise
             raise ConfigError(config_error_line(error, overrides or [])) from error
+    check_boolean_overrides(cfg, overrides or [])
+    return cfg
+
+
+def check_boolean_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """OmegaConf reads any integer given to a boolean field as a boolean (`deepspeed.enabled=2` composes as true);
+    only true/false (and the words and 0/1 OmegaConf documents) are taken. Raises ConfigError naming the key for
+    a number other than 0 or 1 given to a boolean field."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.nodes import BooleanNode
+
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.is_delete() or override.is_sweep_override():
+            continue
+        value = override.value()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
+            continue
+        key = override.key_or_group
+        parent, _, leaf = key.rpartition(".")
+        container = OmegaConf.select(cfg, parent) if parent else cfg
+        node = container._get_node(leaf) if isinstance(container, DictConfig) and leaf in container else None
+        if isinstance(node, BooleanNode):
+            raise ConfigError(f"{key}: must be true or false, got {value}")
 
 
 def _eval_set_field_line(key: str, first: str) -> str:

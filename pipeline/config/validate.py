@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from pipeline.config import schema as schema_module
+from pipeline.config.registration import check_boolean_overrides
 from pipeline.data.prompts import OFFLINE_SOURCES
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_config
 from pipeline.errors import PipelineError
@@ -86,10 +87,18 @@ def _resolved(cfg: DictConfig) -> dict:
     return resolved
 
 
+def _command_line_overrides() -> list[str]:
+    """The overrides of the @hydra.main job running now ([] outside one: pipeline.config.compose checks its own)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def validate(cfg: DictConfig) -> None:
     from pipeline.drafters import DRAFTERS
 
     _check_known_keys(cfg, schema_module.PipelineConfig, "")
+    check_boolean_overrides(cfg, _command_line_overrides())
     resolved = _resolved(cfg)  # an interpolation that cannot resolve is named before any check reads its field
     _check_nothing_missing(cfg)
 

@@ -40,6 +40,7 @@ def test_unknown_config_key_fails_the_job_naming_the_key(tmp_path):
     (["training.max_steps=[1"], "error: override 'training.max_steps=[1': "),
     (["drafter=null"], "error: drafter: a config group cannot be set to null; choose one of ['dflash', 'dflash2', "),
     (["~drafter"], "error: drafter.name: not set (choose one with drafter=<option>"),
+    (["deepspeed.enabled=2"], "error: deepspeed.enabled: must be true or false, got 2"),  # OmegaConf reads it as true
 ])
 def test_a_config_hydra_cannot_compose_is_one_line_naming_the_key_and_exit_2(tmp_path, overrides, line):
     """Composition errors are bad input too: one line, exit 2 (Hydra alone prints five lines and exits 1)."""

@@ -478,3 +478,18 @@ def test_a_jobs_own_value_error_keeps_its_traceback(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match="the job's own fault"):
         run_hydra_main(job)
+
+
+@pytest.mark.parametrize("override", ["deepspeed.enabled=2", "deepspeed.enabled=-1", "evaluation.vllm.check_lossless=3",
+                                      "drafter.norm_before_residual=-2", "serving.speculative=7"])
+def test_a_number_other_than_0_or_1_for_a_boolean_is_refused_naming_the_field(override):
+    """OmegaConf alone composes any integer given to a boolean field as a boolean (2 -> true)."""
+    key, value = override.split("=")
+    with pytest.raises(PipelineError, match=rf"^{re.escape(key)}: must be true or false, got {re.escape(value)}$"):
+        compose([override])
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("false", False), ("1", True), ("0", False),
+                                             ("yes", True), ("off", False)])
+def test_the_spellings_of_a_boolean_omegaconf_documents_are_taken(value, expected):
+    assert compose([f"deepspeed.enabled={value}"]).deepspeed.enabled is expected
