@@ -76,11 +76,25 @@ def family_of(model_type: str) -> VerifierFamily:
 
 
 def check_verifier_family(verifier_path: str) -> None:
-    """Before any stage: a local verifier folder whose family is not supported is refused in a second, not after
-    hours of regeneration (a hub id is checked when a stage first reads its config). Raises PipelineError."""
+    """Before any stage: a verifier whose family is not supported is refused in a second, not after hours of
+    regeneration. A hub id's config.json is fetched (or found in the local hub cache) here too, so a hub model this
+    machine cannot reach (offline, a mistyped or gated id) is one line naming verifier.path, not a traceback from
+    the first stage's Ray actors. Raises PipelineError."""
     config_file = Path(verifier_path) / "config.json"
-    if config_file.is_file():
-        family_of(text_config_dict(read_json(config_file, "verifier.path")).get("model_type", ""))
+    if not config_file.is_file():
+        config_file = _hub_config_file(verifier_path)
+    family_of(text_config_dict(read_json(config_file, "verifier.path")).get("model_type", ""))
+
+
+def _hub_config_file(hub_id: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(hub_id, "config.json"))
+    except Exception as error:  # offline, an unknown or gated id, a network error: the hub raises many types
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        raise PipelineError(f"verifier.path: cannot load hub model '{hub_id}' (not in the local hub cache, and the "
+                            f"hub did not give it: {type(error).__name__}: {first_line})") from None
 
 
 def is_multimodal(config: dict[str, Any]) -> bool:

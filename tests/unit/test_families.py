@@ -219,7 +219,31 @@ def test_a_verifier_folder_of_an_unsupported_family_is_refused_before_any_stage(
                                                       "text_config": {"model_type": "qwen3_vl_text"}}))
     with pytest.raises(PipelineError, match="model_type 'qwen3_vl_text' is not a supported verifier family"):
         check_verifier_family(str(tmp_path))
-    check_verifier_family("google/gemma-4-31B-it")  # a hub id: checked when a stage reads its config
+
+
+def test_a_hub_verifier_this_machine_cannot_load_is_one_line_before_any_stage(tmp_path, monkeypatch):
+    """Offline (as here) and not in the local hub cache: named at once, not by the first stage's Ray actors. One in
+    the cache is read from there, offline, and its family checked like a local folder's."""
+    import huggingface_hub
+
+    from pipeline.families import check_verifier_family
+    from tests.conftest import go_offline
+
+    go_offline(monkeypatch)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(PipelineError, match=r"^verifier\.path: cannot load hub model 'someorg/no-such-model' \(not "
+                                            r"in the local hub cache, and the hub did not give it: \w+"):
+        check_verifier_family("someorg/no-such-model")
+    snapshot = tmp_path / "hub" / "models--someorg--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--someorg--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someorg--cached" / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(PipelineError, match="model_type 'mamba' is not a supported verifier family"):
+        check_verifier_family("someorg/cached")
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    check_verifier_family("someorg/cached")
 
 
 def test_a_tiny_verifier_beside_a_path_is_refused_by_name():

@@ -184,12 +184,17 @@ def test_registry_uris_resolve_to_the_exported_folder(tmp_path):
 
 
 def test_jobs_serve_writes_the_config_a_rayservice_gets_and_resolves_the_speculator_first(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
     from pipeline.context import Context
     from pipeline.serving.job import prepare
 
-    verifier = tmp_path / "verifier"
+    verifier = tmp_path / "verifier"  # what the job checks of a verifier folder, no model: serving is not started
     verifier.mkdir()
     (verifier / "config.json").write_text("{}")
+    (verifier / "tokenizer.json").write_text("{}")
+    save_file({"lm_head.weight": torch.zeros(1)}, str(verifier / "model.safetensors"))
     cfg = compose([f"paths.root={tmp_path}", "verifier=hf", f"verifier.path={verifier}", "verifier.name=v",
                    "tracking.registered_model_name=m"])
     ctx = Context.create(cfg)
