@@ -83,7 +83,13 @@ def check_verifier_family(verifier_path: str) -> None:
     config_file = Path(verifier_path) / "config.json"
     if not config_file.is_file():
         config_file = _hub_config_file(verifier_path)
-    family_of(text_config_dict(read_json(config_file, "verifier.path")).get("model_type", ""))
+    config = read_json(config_file, "verifier.path")
+    text_config = text_config_dict(config) if isinstance(config, dict) else None
+    model_type = text_config.get("model_type", "") if isinstance(text_config, dict) else None
+    if not isinstance(model_type, str):
+        raise PipelineError(f"verifier.path: '{config_file}' is not a model config (a JSON object whose model_type "
+                            "is a string)")
+    family_of(model_type)
 
 
 def _hub_config_file(hub_id: str) -> Path:
@@ -92,7 +98,7 @@ def _hub_config_file(hub_id: str) -> Path:
     try:
         return Path(hf_hub_download(hub_id, "config.json"))
     except Exception as error:  # offline, an unknown or gated id, a network error: the hub raises many types
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        first_line = (str(error).strip().splitlines() or [""])[0]
         raise PipelineError(f"verifier.path: cannot load hub model '{hub_id}' (not in the local hub cache, and the "
                             f"hub did not give it: {type(error).__name__}: {first_line})") from None
 

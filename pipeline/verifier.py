@@ -54,46 +54,89 @@ def _resolve_explicit_path(path: str) -> str:
 # transformers builds a tokenizer from one of these: a fast tokenizer's JSON, a SentencePiece model, a BPE or WordPiece
 # vocabulary (tiktoken files, `*.tiktoken`, are looked for by their suffix).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
-# An index of sharded weights first (its shards are what loads), else a single file.
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# The JSON files among them and beside them that must parse.
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+# Weights in the order transformers looks for them: safetensors (single, then sharded), then pickled .bin files.
+WEIGHT_SOURCES = (("model.safetensors", False), ("model.safetensors.index.json", True),
+                  ("pytorch_model.bin", False), ("pytorch_model.bin.index.json", True))
 
 
 def check_model_folder(folder: Path, field: str) -> None:
-    """Checks, before any stage loads it, that an HF model folder can load: config.json that parses, tokenizer files,
-    weights (a single file or every shard its index names), and every safetensors file as long as its header says
-    (a copy cut short fails here, not minutes later inside a Ray actor). Raises PipelineError naming `field` and the
-    folder or file."""
+    """Checks, before any stage loads it, that an HF model folder can load (`model_folder_problem`): a copy cut short
+    fails here, not minutes later inside a Ray actor. Raises PipelineError naming `field` and the folder or file."""
+    problem = model_folder_problem(folder)
+    if problem:
+        raise PipelineError(f"{field}: {problem}")
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """Why an HF model folder cannot load, naming the folder or file, or None: config.json a JSON object with a
+    string model_type, tokenizer files whose JSON parses, weights (the first of WEIGHT_SOURCES present; for an index
+    every shard it names, inside the folder), and every safetensors file as long as its header says. A .bin file's
+    pickle is not opened here."""
     if not folder.is_dir():
-        raise PipelineError(f"{field}: '{folder}' is not a folder (an HF model folder or a hub id)")
-    if not (folder / "config.json").is_file():
-        raise PipelineError(f"{field}: '{folder}' has no config.json (not an HF model folder)")
-    read_json(folder / "config.json", field)
+        return f"'{folder}' is not a folder (an HF model folder or a hub id)"
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return f"'{folder}' has no config.json (not an HF model folder)"
+    return (_json_problem(config_file, require_model_type=True) or _tokenizer_problem(folder)
+            or _weights_problem(folder))
+
+
+def _json_problem(path: Path, require_model_type: bool = False) -> str | None:
+    try:
+        content = read_json(path, "")
+    except PipelineError as error:  # "<field>: '<path>' is not readable JSON (...)", the field named by the caller
+        return str(error).removeprefix(": ")
+    if not isinstance(content, dict):
+        return f"'{path}' is not a JSON object (got {type(content).__name__})"
+    if require_model_type and not isinstance(content.get("model_type", ""), str):
+        return f"'{path}': model_type must be a string, got {type(content['model_type']).__name__}"
+    return None
+
+
+def _tokenizer_problem(folder: Path) -> str | None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
-        raise PipelineError(f"{field}: '{folder}' has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
-    for weights in _weight_files(folder, field):
+        return f"'{folder}' has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+    for name in TOKENIZER_JSON:
+        if (folder / name).is_file():
+            problem = _json_problem(folder / name)
+            if problem:
+                return problem
+    return None
+
+
+def _weights_problem(folder: Path) -> str | None:
+    present = [(folder / name, is_index) for name, is_index in WEIGHT_SOURCES if (folder / name).is_file()]
+    if not present:
+        names = " or ".join(name for name, is_index in WEIGHT_SOURCES if not is_index)
+        return f"'{folder}' has no weights ({names}, or a sharded index)"
+    source, is_index = present[0]
+    files = [source]
+    if is_index:
+        problem = _json_problem(source) or _index_problem(source, read_json(source, ""))
+        if problem:
+            return problem
+        index_json = read_json(source, "")
+        files = [folder / name for name in sorted({str(name) for name in index_json["weight_map"].values()})]
+        missing = [shard for shard in files if not shard.is_file()]
+        if missing:
+            return f"'{missing[0]}' is missing ({source.name} names it)"
+    for weights in files:
         if weights.suffix == ".safetensors" and not safetensors_is_whole(weights):
-            raise PipelineError(f"{field}: '{weights}' is damaged (its size does not match its safetensors header); "
-                                "copy or convert the model again")
+            return (f"'{weights}' is damaged (its size does not match its safetensors header); copy or convert the "
+                    "model again")
+    return None
 
 
-def _weight_files(folder: Path, field: str) -> list[Path]:
-    for index_name in WEIGHT_INDEXES:
-        index = folder / index_name
-        if index.is_file():
-            index_json = read_json(index, field)
-            weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise PipelineError(f"{field}: '{index}' has no weight_map naming the shards")
-            shards = [folder / name for name in sorted({str(name) for name in weight_map.values()})]
-            missing = [shard for shard in shards if not shard.is_file()]
-            if missing:
-                raise PipelineError(f"{field}: '{missing[0]}' is missing ({index_name} names it)")
-            return shards
-    single = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
-    if not single:
-        raise PipelineError(f"{field}: '{folder}' has no weights ({' or '.join(WEIGHT_FILES)}, or a sharded index)")
-    return single
+def _index_problem(index: Path, index_json: dict) -> str | None:
+    weight_map = index_json.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        return f"'{index}' has no weight_map naming the shards"
+    outside = [name for name in weight_map.values() if not isinstance(name, str) or Path(name).name != name]
+    if outside:
+        return f"'{index}' names a shard that is not a file in its folder: {outside[0]!r}"
+    return None
 
 
 def packaged_file(package: str, filename: str) -> Path:
@@ -176,15 +219,12 @@ def converted_folder_name(verifier_cfg: Any) -> str:
 
 
 def _is_plain_hf_folder(folder: Path) -> bool:
-    """A finished conversion: an HF config that no longer claims GGUF quantization (vLLM refuses that claim), whose
-    weights are whole. One damaged after it was written (a full disk, a cut copy) is built again."""
-    config = folder / "config.json"
-    try:
-        plain = config.is_file() and "quantization_config" not in json.loads(config.read_text())
-    except (OSError, ValueError):
+    """A finished conversion: a folder that loads (`model_folder_problem`) whose config no longer claims GGUF
+    quantization (vLLM refuses that claim). One damaged after it was written (a full disk, a cut copy) is built
+    again."""
+    if model_folder_problem(folder) is not None:
         return False
-    weights = list(folder.glob("*.safetensors"))
-    return plain and bool(weights) and all(safetensors_is_whole(path) for path in weights)
+    return "quantization_config" not in json.loads((folder / "config.json").read_text())
 
 
 # A converted verifier must find this plausible. A broken conversion (a lost BOS, wrongly offset norms, a wrong

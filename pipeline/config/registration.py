@@ -56,24 +56,39 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
 
 
 def check_boolean_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """OmegaConf reads any integer given to a boolean field as a boolean (`deepspeed.enabled=2` composes as true);
-    only true/false (and the words and 0/1 OmegaConf documents) are taken. Raises ConfigError naming the key for
-    a number other than 0 or 1 given to a boolean field."""
+    """OmegaConf reads any integer given to a boolean field as a boolean (`deepspeed.enabled=2`, or `=02`, composes
+    as true); only true/false (and the words and 0/1 OmegaConf documents) are taken. Raises ConfigError naming the
+    key for a number other than 0 or 1 (written as a number or a string) given to a boolean field."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf.nodes import BooleanNode
 
     for override in OverridesParser.create().parse_overrides(list(overrides)):
         if override.is_delete() or override.is_sweep_override():
             continue
-        value = override.value()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
+        number = _as_number(override.value())
+        if number is None or number in (0, 1):
             continue
         key = override.key_or_group
         parent, _, leaf = key.rpartition(".")
         container = OmegaConf.select(cfg, parent) if parent else cfg
         node = container._get_node(leaf) if isinstance(container, DictConfig) and leaf in container else None
         if isinstance(node, BooleanNode):
-            raise ConfigError(f"{key}: must be true or false, got {value}")
+            written = override.value()
+            shown = repr(written) if isinstance(written, str) else written
+            raise ConfigError(f"{key}: must be true or false, got {shown}")
+
+
+def _as_number(value: Any) -> float | None:
+    """An override's value as the number OmegaConf would read it as (it converts the string '02' or ' 2' to 2 before
+    it tests for non-zero), or None for a boolean or a non-numeric value."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        return None
 
 
 def _eval_set_field_line(key: str, first: str) -> str:

@@ -82,7 +82,8 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
     if source in ("jsonl", "parquet"):
         path = Path(str(data_cfg.path)).expanduser()
         if not path.is_file():
-            problem = "is a folder, not a file" if path.is_dir() else "does not exist"
+            problem = ("is a folder, not a file" if path.is_dir() else
+                       "is not a regular file" if path.exists() else "does not exist")
             raise PipelineError(f"data.path: prompt file '{path}' {problem}")
         rows = list(read_jsonl(path)) if source == "jsonl" else list(_numbered(_parquet_rows(path), f"'{path}'"))
         if not rows:

@@ -73,16 +73,22 @@ def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> Non
     import urllib.request
     from urllib.parse import urlsplit
 
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(uri)
+        host, port = parts.hostname, parts.port
+    except ValueError as error:  # an unclosed IPv6 bracket, a port that is not a number or out of range
+        raise PipelineError(f"{field}: '{uri}' is not a valid URI ({error})") from None
+    if parts.scheme not in ("http", "https"):
         return
-    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname):
+    if not host:
+        raise PipelineError(f"{field}: '{uri}' names no host")
+    proxies = urllib.request.getproxies()
+    if (parts.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(host):
         return
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except (OSError, ValueError) as error:
-        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        socket.create_connection((host, port or (443 if parts.scheme == "https" else 80)), timeout=timeout_s).close()
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
         raise PipelineError(f"{field}: no MLflow server answers at '{uri}' ({reason})") from None
 
 
@@ -244,9 +250,13 @@ class Tracker:
         # server that is down) is one line naming where the URI came from.
         field = tracking_uri_field(cfg)
         check_server_reachable(self.uri, field)
-        with mlflow_errors_as(field, f"MLflow cannot use '{self.uri}'"):
+        try:
             self.client = mlflow.MlflowClient(self.uri)
             self.experiment_id = self._experiment(cfg.tracking.experiment_name)
+        except Exception as error:  # MLflow's own errors, a missing database driver, a path that is not a store
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise PipelineError(f"{field}: MLflow cannot use '{self.uri}': {type(error).__name__}: {first_line}") \
+                from error
         self._active: list[str] = []
 
     def _experiment(self, name: str) -> str:

@@ -252,19 +252,27 @@ def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path
 
 # (a tracking URI MLflow cannot use, what the one line must say after "MLflow cannot use '<uri>': ")
 UNUSABLE_TRACKING_URIS = [
-    ("file://{tmp}/mlruns", r"MLflow cannot use 'file://.*/mlruns': The filesystem tracking backend"),
-    ("{tmp}/mlruns", r"MLflow cannot use '.*/mlruns': The filesystem tracking backend"),
+    ("file://{tmp}/mlruns", r"MLflow cannot use 'file://.*/mlruns': MlflowException: The filesystem tracking backend"),
+    ("{tmp}/mlruns", r"MLflow cannot use '.*/mlruns': MlflowException: The filesystem tracking backend"),
     ("nosuchscheme://host/store", r"MLflow cannot use 'nosuchscheme://host/store': .*unsupported URI"),
     ("http://127.0.0.1:1", r"no MLflow server answers at 'http://127\.0\.0\.1:1' \(Connection refused\)"),
+    ("http://", r"'http://' names no host"),
+    ("http://[::1", r"'http://\[::1' is not a valid URI \("),
+    ("http://127.0.0.1:99999", r"'http://127\.0\.0\.1:99999' is not a valid URI \("),
+    # a database MLflow supports: its driver missing (ModuleNotFoundError, not MLflow's own error) or no server
+    ("postgresql://127.0.0.1:1/mlflow", r"MLflow cannot use 'postgresql://127\.0\.0\.1:1/mlflow': \w+"),
+    ("sqlite:///{tmp}/a_file/mlflow.db", r"MLflow cannot use 'sqlite:///.*/a_file/mlflow\.db': \w+"),
 ]
 
 
-@pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS, ids=["file", "path", "scheme", "no_server"])
+@pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS,
+                         ids=["file", "path", "scheme", "no_server", "no_host", "ipv6", "port", "driver", "sqlite"])
 def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, message, tmp_path, capsys, monkeypatch):
     uri = uri.format(tmp=tmp_path)
+    (tmp_path / "a_file").write_text("not a folder")
     for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):  # the server is reached directly
         monkeypatch.delenv(proxy, raising=False)
-    assert run_job(compose([f"paths.root={tmp_path}", f"tracking.tracking_uri={uri}"]), "pipeline") == 2
+    assert run_job(compose([f"paths.root={tmp_path}", f"tracking.tracking_uri='{uri}'"]), "pipeline") == 2
     line = _error_line(capsys)
     assert re.fullmatch(r"error: tracking\.tracking_uri: " + message + ".*", line), line
     assert not (tmp_path / "prompts").exists()
@@ -282,6 +290,9 @@ def test_a_tracking_server_behind_a_proxy_is_left_to_mlflow(monkeypatch):
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     check_server_reachable("http://127.0.0.1:1", "tracking.tracking_uri")  # proxied: not probed
+    monkeypatch.delenv("HTTP_PROXY")
+    monkeypatch.setenv("ALL_PROXY", "http://proxy.invalid:3128")  # requests uses it for every scheme
+    check_server_reachable("http://127.0.0.1:1", "tracking.tracking_uri")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     with pytest.raises(PipelineError, match=r"^tracking\.tracking_uri: no MLflow server answers"):
         check_server_reachable("http://127.0.0.1:1", "tracking.tracking_uri")

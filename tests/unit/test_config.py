@@ -480,16 +480,20 @@ def test_a_jobs_own_value_error_keeps_its_traceback(tmp_path, monkeypatch):
         run_hydra_main(job)
 
 
-@pytest.mark.parametrize("override", ["deepspeed.enabled=2", "deepspeed.enabled=-1", "evaluation.vllm.check_lossless=3",
-                                      "drafter.norm_before_residual=-2", "serving.speculative=7"])
-def test_a_number_other_than_0_or_1_for_a_boolean_is_refused_naming_the_field(override):
-    """OmegaConf alone composes any integer given to a boolean field as a boolean (2 -> true)."""
-    key, value = override.split("=")
-    with pytest.raises(PipelineError, match=rf"^{re.escape(key)}: must be true or false, got {re.escape(value)}$"):
+@pytest.mark.parametrize("override, shown", [
+    ("deepspeed.enabled=2", "2"), ("deepspeed.enabled=-1", "-1"), ("evaluation.vllm.check_lossless=3", "3"),
+    ("drafter.norm_before_residual=-2", "-2"), ("serving.speculative=7", "7"),
+    ("deepspeed.enabled=02", "'02'"), ("deepspeed.enabled='2'", "'2'"), ("deepspeed.enabled=' 2'", "' 2'"),
+])
+def test_a_number_other_than_0_or_1_for_a_boolean_is_refused_naming_the_field(override, shown):
+    """OmegaConf alone composes any integer given to a boolean field, or a string it reads as one, as a boolean
+    (2 -> true, '02' -> true)."""
+    key = override.split("=")[0]
+    with pytest.raises(PipelineError, match=rf"^{re.escape(key)}: must be true or false, got {re.escape(shown)}$"):
         compose([override])
 
 
 @pytest.mark.parametrize("value, expected", [("true", True), ("false", False), ("1", True), ("0", False),
-                                             ("yes", True), ("off", False)])
+                                             ("yes", True), ("off", False), ("'1'", True)])
 def test_the_spellings_of_a_boolean_omegaconf_documents_are_taken(value, expected):
     assert compose([f"deepspeed.enabled={value}"]).deepspeed.enabled is expected

@@ -242,6 +242,10 @@ def test_a_hub_verifier_this_machine_cannot_load_is_one_line_before_any_stage(tm
     (snapshot / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(PipelineError, match="model_type 'mamba' is not a supported verifier family"):
         check_verifier_family("someorg/cached")
+    for not_a_config in ([], {"model_type": ["qwen3"]}, {"text_config": {"model_type": 3}, "model_type": "x"}):
+        (snapshot / "config.json").write_text(json.dumps(not_a_config))
+        with pytest.raises(PipelineError, match=r"config\.json' is not a model config \(a JSON object"):
+            check_verifier_family("someorg/cached")
     (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     check_verifier_family("someorg/cached")
 

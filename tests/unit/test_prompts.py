@@ -60,6 +60,8 @@ def test_a_folder_given_as_the_prompt_file_is_named_as_a_folder(source, tmp_path
     folder.mkdir()
     with pytest.raises(PipelineError, match=r"data\.path: prompt file .*prompts\.jsonl' is a folder, not a file"):
         load_prompts(data_cfg(source=source, path=str(folder)))
+    with pytest.raises(PipelineError, match=r"data\.path: prompt file '/dev/null' is not a regular file"):
+        load_prompts(data_cfg(source=source, path="/dev/null"))
 
 
 def test_empty_dataset_is_a_clear_error(tmp_path):

@@ -78,15 +78,41 @@ def _index_naming_a_missing_shard(folder: Path) -> None:
 
 
 def _index_without_weight_map(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
     (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
 
 
 def _index_cut_short(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')
 
 
 def _config_cut_short(folder: Path) -> None:
     (folder / "config.json").write_text('{"model_type": "lla')
+
+
+def _config_a_list(folder: Path) -> None:
+    (folder / "config.json").write_text("[]")
+
+
+def _model_type_a_list(folder: Path) -> None:
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": ["llama"]}))
+
+
+def _tokenizer_cut_short(folder: Path) -> None:
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:500])
+
+
+def _index_naming_a_shard_outside(folder: Path) -> None:
+    import json
+
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"a": "../elsewhere/model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 # (how the folder is damaged, what the one line must say after 'verifier.path: ')
@@ -101,6 +127,11 @@ DAMAGED_FOLDERS = [
     (_index_without_weight_map, r"'.*/model\.safetensors\.index\.json' has no weight_map naming the shards"),
     (_index_cut_short, r"'.*/model\.safetensors\.index\.json' is not readable JSON"),
     (_config_cut_short, r"'.*/verifier/config\.json' is not readable JSON"),
+    (_config_a_list, r"'.*/verifier/config\.json' is not a JSON object \(got list\)"),
+    (_model_type_a_list, r"'.*/verifier/config\.json': model_type must be a string, got list"),
+    (_tokenizer_cut_short, r"'.*/verifier/tokenizer\.json' is not readable JSON"),
+    (_index_naming_a_shard_outside,
+     r"'.*/model\.safetensors\.index\.json' names a shard that is not a file in its folder: '\.\./elsewhere/"),
 ]
 
 
@@ -120,6 +151,24 @@ def test_a_sharded_verifier_whose_shards_are_all_there_and_whole_is_used(tiny_ve
     index = {"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     assert resolve_verifier_path(verifier_cfg(path=str(folder))) == str(folder.resolve())
+
+
+def test_whole_safetensors_are_used_as_transformers_would_beside_a_stale_bin_index(tiny_verifier_path, tmp_path):
+    """transformers loads model.safetensors before any .bin: an index of .bin shards left beside it (their files
+    gone) does not stop the folder, and a hub cache snapshot of links into blobs/ is a folder like any other."""
+    import json
+
+    folder = _copy_of(tiny_verifier_path, tmp_path)
+    index = {"weight_map": {"a": "pytorch_model-00001-of-00002.bin"}}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert resolve_verifier_path(verifier_cfg(path=str(folder))) == str(folder.resolve())
+    snapshot, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    snapshot.mkdir()
+    blobs.mkdir()
+    for path in folder.iterdir():
+        path.rename(blobs / path.name)
+        (snapshot / path.name).symlink_to(blobs / path.name)
+    assert resolve_verifier_path(verifier_cfg(path=str(snapshot))) == str(snapshot.resolve())
 
 
 def test_a_file_given_as_the_verifier_folder_is_named(tmp_path):
@@ -143,9 +192,11 @@ def test_a_converted_verifier_damaged_after_it_was_written_is_built_again(tiny_v
 
         shutil.copytree(tiny_verifier_path, staging, dirs_exist_ok=True)
     assert verifier._built_once(target, write) == target and rebuilt == []  # whole: reused
-    _truncate_weights(target)
-    assert verifier._built_once(target, write) == target and len(rebuilt) == 1
-    assert verifier._is_plain_hf_folder(target)  # whole again
+    for damage in (_truncate_weights, _tokenizer_cut_short, _config_a_list):
+        damage(target)
+        rebuilt.clear()
+        assert verifier._built_once(target, write) == target and len(rebuilt) == 1, damage.__name__
+        assert verifier._is_plain_hf_folder(target)  # whole again
 
 
 def test_a_missing_package_is_named():
@@ -174,6 +225,7 @@ def test_two_jobs_converting_at_once_convert_once_and_neither_replaces_the_other
         conversions.append(out_dir)
         time.sleep(0.5)  # long enough that the other thread asks while this one converts
         (out_dir / "config.json").write_text("{}")
+        (out_dir / "tokenizer.json").write_text("{}")
         save_file({"weight": torch.zeros(2)}, str(out_dir / "model.safetensors"))
 
     monkeypatch.setattr(verifier, "_save_gguf_as_hf", slow_conversion)
