@@ -94,13 +94,19 @@ def check_verifier_family(verifier_path: str) -> None:
 
 def _hub_config_file(hub_id: str) -> Path:
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import logging as hub_logging
 
+    hub_logger = hub_logging.get_logger()
+    level = hub_logger.level
+    hub_logger.setLevel("ERROR")  # its "Retrying in Ns" warnings: the outcome is the one line below
     try:
         return Path(hf_hub_download(hub_id, "config.json"))
     except Exception as error:  # offline, an unknown or gated id, a network error: the hub raises many types
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise PipelineError(f"verifier.path: cannot load hub model '{hub_id}' (not in the local hub cache, and the "
                             f"hub did not give it: {type(error).__name__}: {first_line})") from None
+    finally:
+        hub_logger.setLevel(level)
 
 
 def is_multimodal(config: dict[str, Any]) -> bool:

@@ -66,16 +66,18 @@ def tracking_uri_field(cfg: DictConfig) -> str:
 
 
 def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> None:
-    """An http(s) tracking server that accepts no connection is a PipelineError naming `field` at once, instead of
-    after MLflow's retries (minutes) and a traceback. Other schemes, and a server reached through a proxy
-    (HTTP(S)_PROXY, which MLflow's requests honour and a direct connection would not), are left to MLflow."""
-    import socket
+    """An http(s) tracking server that accepts no connection, or does not answer within timeout_s, is a
+    PipelineError naming `field` at once, instead of after MLflow's retries (minutes) and a traceback. Other schemes,
+    and a server reached through a proxy (HTTP(S)_PROXY or ALL_PROXY), are left to MLflow."""
     import urllib.request
     from urllib.parse import urlsplit
 
+    import requests
+
     try:
         parts = urlsplit(uri)
-        host, port = parts.hostname, parts.port
+        host = parts.hostname
+        parts.port  # noqa: B018  (read for its ValueError: a port that is not a number or out of range)
     except ValueError as error:  # an unclosed IPv6 bracket, a port that is not a number or out of range
         raise PipelineError(f"{field}: '{uri}' is not a valid URI ({error})") from None
     if parts.scheme not in ("http", "https"):
@@ -85,11 +87,22 @@ def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> Non
     proxies = urllib.request.getproxies()
     if (parts.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(host):
         return
+    # Any HTTP answer from MLflow's health endpoint counts (a 401 or 404 is MLflow's to judge), and so does a TLS
+    # failure (MLflow has its own certificate settings); no connection, or a connection that never answers, does not.
     try:
-        socket.create_connection((host, port or (443 if parts.scheme == "https" else 80)), timeout=timeout_s).close()
-    except OSError as error:
-        reason = error.strerror or str(error) or type(error).__name__
+        requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s, allow_redirects=False).close()
+    except requests.exceptions.SSLError:
+        return
+    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as error:
+        reason = _root_cause(error)
         raise PipelineError(f"{field}: no MLflow server answers at '{uri}' ({reason})") from None
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost cause's message (requests wraps urllib3's error, which wraps the socket's)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return getattr(error, "strerror", None) or str(error) or type(error).__name__
 
 
 def tracking_uri(cfg: DictConfig) -> str:

@@ -281,6 +281,23 @@ def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, mess
     assert re.fullmatch(r"error: MLFLOW_TRACKING_URI: " + message + ".*", _error_line(capsys))
 
 
+def test_a_tracking_server_that_accepts_but_never_answers_is_named_after_the_probes_timeout(monkeypatch):
+    """A port that takes connections and never answers (a dead backend behind a forward) would hold MLflow for its
+    request timeout times its retries."""
+    import socket
+
+    from pipeline.tracking import check_server_reachable
+
+    for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(PipelineError, match=rf"^tracking\.tracking_uri: no MLflow server answers at '{uri}'"):
+            check_server_reachable(uri, "tracking.tracking_uri", timeout_s=0.5)
+
+
 def test_a_tracking_server_behind_a_proxy_is_left_to_mlflow(monkeypatch):
     """MLflow's requests go through HTTP(S)_PROXY, a direct connection would not: only a server reached directly
     is probed."""
