@@ -114,11 +114,14 @@ def _weights_problem(folder: Path) -> str | None:
     source, is_index = present[0]
     files = [source]
     if is_index:
-        problem = _json_problem(source) or _index_problem(source, read_json(source, ""))
+        problem = _json_problem(source)
         if problem:
             return problem
-        index_json = read_json(source, "")
-        files = [folder / name for name in sorted({str(name) for name in index_json["weight_map"].values()})]
+        weight_map = read_json(source, "").get("weight_map")
+        problem = _index_problem(source, weight_map)
+        if problem:
+            return problem
+        files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [shard for shard in files if not shard.is_file()]
         if missing:
             return f"'{missing[0]}' is missing ({source.name} names it)"
@@ -129,8 +132,8 @@ def _weights_problem(folder: Path) -> str | None:
     return None
 
 
-def _index_problem(index: Path, index_json: dict) -> str | None:
-    weight_map = index_json.get("weight_map")
+def _index_problem(index: Path, weight_map: Any) -> str | None:
+    """What is wrong with an index's weight_map (tensor name -> shard file name), or None."""
     if not isinstance(weight_map, dict) or not weight_map:
         return f"'{index}' has no weight_map naming the shards"
     outside = [name for name in weight_map.values() if not isinstance(name, str) or Path(name).name != name]
