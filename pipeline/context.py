@@ -9,7 +9,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 from pipeline.fsutil import atomic_folder
 from pipeline.paths import StagePaths
 from pipeline.tracking import Tracker
@@ -67,7 +67,7 @@ def load_saved_dataset(folder: Path, field: str):
     try:
         return datasets.load_from_disk(str(folder))
     except Exception as error:  # pyarrow, datasets and OS errors alike: any of them means the folder is damaged
-        reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        reason = f"{type(error).__name__}: {first_line(error)}"
         raise PipelineError(f"{field}: the saved dataset '{folder}' cannot be read ({reason}); delete it to redo "
                             "the stage") from None
 

@@ -26,6 +26,11 @@ def read_json(path: Path | str, field: str) -> Any:
         raise PipelineError(f"{field}: '{path}' is not readable JSON ({reason})") from None
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message ("" for an empty one): libraries' messages often go on for paragraphs."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RAISED = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (?P<message>.+)$")
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.errors import PipelineError, read_json
+from pipeline.errors import PipelineError, first_line, read_json
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,8 @@ def _hub_config_file(hub_id: str) -> Path:
     try:
         return Path(hf_hub_download(hub_id, "config.json"))
     except Exception as error:  # offline, an unknown or gated id, a network error: the hub raises many types
-        first_line = (str(error).strip().splitlines() or [""])[0]
         raise PipelineError(f"verifier.path: cannot load hub model '{hub_id}' (not in the local hub cache, and the "
-                            f"hub did not give it: {type(error).__name__}: {first_line})") from None
+                            f"hub did not give it: {type(error).__name__}: {first_line(error)})") from None
     finally:
         hub_logger.setLevel(level)
 

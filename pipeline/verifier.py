@@ -79,20 +79,21 @@ def model_folder_problem(folder: Path) -> str | None:
     config_file = folder / "config.json"
     if not config_file.is_file():
         return f"'{folder}' has no config.json (not an HF model folder)"
-    return (_json_problem(config_file, require_model_type=True) or _tokenizer_problem(folder)
-            or _weights_problem(folder))
+    config = _json_object(config_file)
+    if isinstance(config, str):
+        return config
+    if not isinstance(config.get("model_type", ""), str):
+        return f"'{config_file}': model_type must be a string, got {type(config['model_type']).__name__}"
+    return _tokenizer_problem(folder) or _weights_problem(folder)
 
 
-def _json_problem(path: Path, require_model_type: bool = False) -> str | None:
+def _json_object(path: Path) -> dict | str:
+    """The JSON object in `path`, or why there is none (a message naming the file)."""
     try:
         content = read_json(path, "")
     except PipelineError as error:  # "<field>: '<path>' is not readable JSON (...)", the field named by the caller
         return str(error).removeprefix(": ")
-    if not isinstance(content, dict):
-        return f"'{path}' is not a JSON object (got {type(content).__name__})"
-    if require_model_type and not isinstance(content.get("model_type", ""), str):
-        return f"'{path}': model_type must be a string, got {type(content['model_type']).__name__}"
-    return None
+    return content if isinstance(content, dict) else f"'{path}' is not a JSON object (got {type(content).__name__})"
 
 
 def _tokenizer_problem(folder: Path) -> str | None:
@@ -100,9 +101,9 @@ def _tokenizer_problem(folder: Path) -> str | None:
         return f"'{folder}' has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
     for name in TOKENIZER_JSON:
         if (folder / name).is_file():
-            problem = _json_problem(folder / name)
-            if problem:
-                return problem
+            content = _json_object(folder / name)
+            if isinstance(content, str):
+                return content
     return None
 
 
@@ -114,10 +115,10 @@ def _weights_problem(folder: Path) -> str | None:
     source, is_index = present[0]
     files = [source]
     if is_index:
-        problem = _json_problem(source)
-        if problem:
-            return problem
-        weight_map = read_json(source, "").get("weight_map")
+        index = _json_object(source)
+        if isinstance(index, str):
+            return index
+        weight_map: Any = index.get("weight_map")  # checked by _index_problem
         problem = _index_problem(source, weight_map)
         if problem:
             return problem

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 from pipeline.tracking.local_store import seed_local_store
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def mlflow_errors_as(field: str, what: str) -> Iterator[None]:
     try:
         yield
     except MlflowException as error:
-        raise PipelineError(f"{field}: {what}: {str(error).strip().splitlines()[0]}") from error
+        raise PipelineError(f"{field}: {what}: {first_line(error)}") from error
 
 
 def check_alias_name(alias: str, field: str) -> None:
@@ -267,9 +267,8 @@ class Tracker:
             self.client = mlflow.MlflowClient(self.uri)
             self.experiment_id = self._experiment(cfg.tracking.experiment_name)
         except Exception as error:  # MLflow's own errors, a missing database driver, a path that is not a store
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            raise PipelineError(f"{field}: MLflow cannot use '{self.uri}': {type(error).__name__}: {first_line}") \
-                from error
+            raise PipelineError(f"{field}: MLflow cannot use '{self.uri}': {type(error).__name__}: "
+                                f"{first_line(error)}") from error
         self._active: list[str] = []
 
     def _experiment(self, name: str) -> str:
@@ -386,7 +385,7 @@ class Tracker:
             if error.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None
             raise PipelineError(f"registry: cannot read alias '{alias}' of '{name}' ({error.error_code}: "
-                                f"{str(error).strip().splitlines()[0]}); nothing is promoted on doubt") from error
+                                f"{first_line(error)}); nothing is promoted on doubt") from error
         except Exception as error:  # a dropped connection, a timeout: no answer is not "no champion"
             raise PipelineError(f"registry: cannot read alias '{alias}' of '{name}' ({type(error).__name__}: "
                                 f"{error}); nothing is promoted on doubt") from error
