@@ -72,8 +72,8 @@ def check_model_folder(folder: Path, field: str) -> None:
 def model_folder_problem(folder: Path) -> str | None:
     """Why an HF model folder cannot load, naming the folder or file, or None: config.json a JSON object with a
     string model_type, tokenizer files whose JSON parses, weights (the first of WEIGHT_SOURCES present; for an index
-    every shard it names, inside the folder), and every safetensors file as long as its header says. A .bin file's
-    pickle is not opened here."""
+    every shard it names, inside the folder), every safetensors file as long as its header says, and every .bin file
+    a torch.save zip or pickle (not unpickled here)."""
     if not folder.is_dir():
         return f"'{folder}' is not a folder (an HF model folder or a hub id)"
     config_file = folder / "config.json"
@@ -130,7 +130,26 @@ def _weights_problem(folder: Path) -> str | None:
         if weights.suffix == ".safetensors" and not safetensors_is_whole(weights):
             return (f"'{weights}' is damaged (its size does not match its safetensors header); copy or convert the "
                     "model again")
+        if weights.suffix == ".bin" and not _torch_file_looks_whole(weights):
+            return (f"'{weights}' is not a whole torch.save file (neither a zip archive holding data.pkl nor a "
+                    "pickle); copy or convert the model again")
     return None
+
+
+def _torch_file_looks_whole(path: Path) -> bool:
+    """Whether a pytorch_model.bin can be a torch.save file, without unpickling it: the zip format (torch >= 1.6)
+    with its central directory intact (a copy cut short loses it) and a data.pkl, or the legacy format, which opens
+    with pickle's PROTO opcode (0x80)."""
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                return any(name.endswith("data.pkl") for name in archive.namelist())
+        with path.open("rb") as handle:
+            return handle.read(1) == b"\x80"
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _index_problem(index: Path, weight_map: Any) -> str | None:

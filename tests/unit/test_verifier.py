@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pipeline.errors import PipelineError
 from pipeline.verifier import resolve_verifier_path
@@ -115,6 +116,25 @@ def _index_naming_a_shard_outside(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def _weights_as_bin(folder: Path, legacy: bool = False) -> Path:
+    """The folder's weights as transformers' older pytorch_model.bin (torch.save's zip format, or the legacy one)."""
+    from safetensors.torch import load_file
+
+    weights = folder / "pytorch_model.bin"
+    torch.save(load_file(folder / "model.safetensors"), weights, _use_new_zipfile_serialization=not legacy)
+    (folder / "model.safetensors").unlink()
+    return weights
+
+
+def _bin_cut_short(folder: Path) -> None:
+    weights = _weights_as_bin(folder)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _text_as_bin(folder: Path) -> None:
+    _weights_as_bin(folder).write_text("<html>rate limited</html>")
+
+
 # (how the folder is damaged, what the one line must say after 'verifier.path: ')
 DAMAGED_FOLDERS = [
     (_remove_tokenizer, r"'.*/verifier' has no tokenizer files \(one of tokenizer\.json, tokenizer\.model"),
@@ -132,6 +152,8 @@ DAMAGED_FOLDERS = [
     (_tokenizer_cut_short, r"'.*/verifier/tokenizer\.json' is not readable JSON"),
     (_index_naming_a_shard_outside,
      r"'.*/model\.safetensors\.index\.json' names a shard that is not a file in its folder: '\.\./elsewhere/"),
+    (_bin_cut_short, r"'.*/verifier/pytorch_model\.bin' is not a whole torch\.save file"),
+    (_text_as_bin, r"'.*/verifier/pytorch_model\.bin' is not a whole torch\.save file"),
 ]
 
 
@@ -141,6 +163,13 @@ def test_a_verifier_folder_that_cannot_load_is_named_before_any_stage(damage, me
     damage(folder)
     with pytest.raises(PipelineError, match=r"^verifier\.path: " + message):
         resolve_verifier_path(verifier_cfg(path=str(folder)))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_verifier_with_whole_bin_weights_is_used(legacy, tiny_verifier_path, tmp_path):
+    folder = _copy_of(tiny_verifier_path, tmp_path)
+    _weights_as_bin(folder, legacy)
+    assert resolve_verifier_path(verifier_cfg(path=str(folder))) == str(folder.resolve())
 
 
 def test_a_sharded_verifier_whose_shards_are_all_there_and_whole_is_used(tiny_verifier_path, tmp_path):
