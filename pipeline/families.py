@@ -90,6 +90,8 @@ def check_verifier_family(verifier_path: str) -> None:
         raise PipelineError(f"verifier.path: '{config_file}' is not a model config (a JSON object whose model_type "
                             "is a string)")
     family_of(model_type)
+    if config_file != Path(verifier_path) / "config.json":
+        _check_hub_snapshot(verifier_path, config_file.parent)
 
 
 def _hub_config_file(hub_id: str) -> Path:
@@ -106,6 +108,27 @@ def _hub_config_file(hub_id: str) -> Path:
                             f"hub did not give it: {type(error).__name__}: {first_line(error)})") from None
     finally:
         hub_logger.setLevel(level)
+
+
+def _check_hub_snapshot(hub_id: str, snapshot: Path) -> None:
+    """A hub id whose local cache holds only part of the model (config.json but not its tokenizer or weights) is
+    refused here when the hub cannot give the rest (offline, or unreachable), instead of failing in the first stage.
+    Reachable, the stages download what is missing; listing the repository's files is one request, no download."""
+    from huggingface_hub import constants, list_repo_files
+
+    from pipeline.verifier import model_folder_problem
+
+    problem = model_folder_problem(snapshot)
+    if problem is None:
+        return
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            list_repo_files(hub_id)
+            return
+        except Exception:  # offline, unreachable, gated: the hub raises many types; the line below says what is missing
+            pass
+    raise PipelineError(f"verifier.path: hub model '{hub_id}' is only partly in the local hub cache and the hub "
+                        f"cannot give the rest: {problem}")
 
 
 def is_multimodal(config: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
 from pipeline.errors import PipelineError
 from pipeline.families import TINY_FAMILIES, family_of, logit_softcap, vllm_unsupported_reason
@@ -247,7 +248,42 @@ def test_a_hub_verifier_this_machine_cannot_load_is_one_line_before_any_stage(tm
         with pytest.raises(PipelineError, match=r"config\.json' is not a model config \(a JSON object"):
             check_verifier_family("someorg/cached")
     (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(PipelineError, match=r"^verifier\.path: hub model 'someorg/cached' is only partly in the local "
+                                            r"hub cache and the hub cannot give the rest: .*no tokenizer"):
+        check_verifier_family("someorg/cached")
+    (snapshot / "tokenizer.json").write_text("{}")
+    with pytest.raises(PipelineError, match=r"only partly in the local hub cache .*no weights"):
+        check_verifier_family("someorg/cached")
+    save_file({"w": torch.zeros(2)}, str(snapshot / "model.safetensors"))
     check_verifier_family("someorg/cached")
+
+
+def test_a_partly_cached_hub_verifier_passes_only_when_the_hub_can_give_the_rest(tmp_path, monkeypatch):
+    """Online, the stages download what the cache lacks; a hub that does not answer leaves the model unloadable."""
+    import huggingface_hub
+
+    from pipeline.families import check_verifier_family
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "models--someorg--partial" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--someorg--partial" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someorg--partial" / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    config_file = snapshot / "config.json"
+    monkeypatch.setattr("pipeline.families._hub_config_file", lambda hub_id: config_file)
+    listed = []
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda hub_id: listed.append(hub_id) or ["config.json"])
+    check_verifier_family("someorg/partial")
+    assert listed == ["someorg/partial"]
+
+    def unreachable(hub_id):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
+    with pytest.raises(PipelineError, match=r"'someorg/partial' is only partly in the local hub cache .*no tokenizer"):
+        check_verifier_family("someorg/partial")
 
 
 def test_a_tiny_verifier_beside_a_path_is_refused_by_name():
