@@ -98,6 +98,18 @@ def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> Non
         raise PipelineError(f"{field}: no MLflow server answers at '{uri}' ({reason})") from None
 
 
+def check_sqlite_file(uri: str, field: str) -> None:
+    """A `sqlite:///<path>` store whose path exists but is not a regular file (a folder, a device) is a PipelineError
+    naming `field` at once; SQLAlchemy would retry it for about two minutes before its own traceback. A path that does
+    not exist yet is MLflow's to create."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri[len("sqlite:///"):].split("?", 1)[0]).expanduser()
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise PipelineError(f"{field}: '{uri}' names '{path}', which is {kind}, not an SQLite database file")
+
+
 def _root_cause(error: BaseException) -> str:
     """The innermost cause's message (requests wraps urllib3's error, which wraps the socket's)."""
     while error.__cause__ is not None or error.__context__ is not None:
@@ -263,6 +275,7 @@ class Tracker:
         # server that is down) is one line naming where the URI came from.
         field = tracking_uri_field(cfg)
         check_server_reachable(self.uri, field)
+        check_sqlite_file(self.uri, field)
         try:
             self.client = mlflow.MlflowClient(self.uri)
             self.experiment_id = self._experiment(cfg.tracking.experiment_name)

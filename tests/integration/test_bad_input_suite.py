@@ -262,11 +262,16 @@ UNUSABLE_TRACKING_URIS = [
     # a database MLflow supports: its driver missing (ModuleNotFoundError, not MLflow's own error) or no server
     ("postgresql://127.0.0.1:1/mlflow", r"MLflow cannot use 'postgresql://127\.0\.0\.1:1/mlflow': \w+"),
     ("sqlite:///{tmp}/a_file/mlflow.db", r"MLflow cannot use 'sqlite:///.*/a_file/mlflow\.db': \w+"),
+    # a database path that is a folder or a device: named at once (SQLAlchemy retried a folder for ~2 minutes)
+    ("sqlite:///{tmp}", r"'sqlite:///.*' names '.*', which is a folder, not an SQLite database file"),
+    ("sqlite:////dev/null", r"'sqlite:////dev/null' names '/dev/null', which is not a regular file, not an SQLite "
+                            r"database file"),
 ]
 
 
 @pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS,
-                         ids=["file", "path", "scheme", "no_server", "no_host", "ipv6", "port", "driver", "sqlite"])
+                         ids=["file", "path", "scheme", "no_server", "no_host", "ipv6", "port", "driver", "sqlite",
+                              "sqlite_folder", "sqlite_device"])
 def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, message, tmp_path, capsys, monkeypatch):
     uri = uri.format(tmp=tmp_path)
     (tmp_path / "a_file").write_text("not a folder")
