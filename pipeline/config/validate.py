@@ -13,7 +13,7 @@ from pipeline.config import schema as schema_module
 from pipeline.config.registration import check_boolean_overrides
 from pipeline.data.prompts import OFFLINE_SOURCES
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_config
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 from pipeline.errors import require as _require
 from pipeline.families import TINY_FAMILIES
 
@@ -82,7 +82,7 @@ def _resolved(cfg: DictConfig) -> dict:
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as error:
-        raise PipelineError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
+        raise PipelineError(f"{error.full_key}: {first_line(error)}") from None
     assert isinstance(resolved, dict)  # a DictConfig resolves to a dict
     return resolved
 

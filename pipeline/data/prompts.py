@@ -22,7 +22,7 @@ import datasets
 
 from pipeline.data.rows import SkipRow, read_jsonl, row_messages
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, PromptWriter, verifier_prompts
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,8 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
         try:
             raw = datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
         except Exception as error:  # offline, a missing dataset, subset or split: the hub raises many types
-            first_line = (str(error).splitlines() or [""])[0][:200]
             raise PipelineError(f"data.path: cannot load hub dataset '{data_cfg.path}' (subset {subset}, split "
-                                f"{data_cfg.split}): {type(error).__name__}: {first_line}") from error
+                                f"{data_cfg.split}): {type(error).__name__}: {first_line(error)[:200]}") from error
         return _numbered(raw, f"hub dataset '{data_cfg.path}'")
     raise PipelineError(f"data.source: unknown source '{source}'")
 

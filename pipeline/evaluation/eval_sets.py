@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.data.chat import prompt_messages
 from pipeline.data.prompts import load_prompts
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def set_config(name: str, eval_cfg: Any) -> Any:
     except OmegaConfBaseException as error:
         if getattr(error, "full_key", None):  # the bad key inside the set
             raise PipelineError(f"evaluation.sets.{name}.{config_error_line(error)}") from error
-        raise PipelineError(f"evaluation.sets.{name}: {str(error).splitlines()[0]}") from error
+        raise PipelineError(f"evaluation.sets.{name}: {first_line(error)}") from error
     except ValueError as error:  # not a mapping at all
         raise PipelineError(f"evaluation.sets.{name}: must be a mapping of EvalSetConfig's fields "
                             f"({{source: ..., path: ...}}), got {eval_cfg.sets[name]!r}") from error
@@ -57,7 +57,7 @@ def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[di
         raise PipelineError(f"evaluation.sets.{name}: {error}") from error
     except Exception as error:  # the hub raises connection errors of many types when offline
         raise PipelineError(f"evaluation.sets.{name}: cannot load {definition.path or name} "
-                            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
+                            f"({type(error).__name__}: {first_line(error)[:200]})") from error
     unseen = [row for row in prompts if row["sample_id"] not in train_ids]
     if len(unseen) < len(prompts):
         log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))

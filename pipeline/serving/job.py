@@ -15,6 +15,7 @@ import yaml
 from omegaconf import DictConfig
 
 from pipeline.context import Context
+from pipeline.errors import first_line
 from pipeline.export.stage import registered_model_name
 from pipeline.fsutil import atomic_write_text
 from pipeline.serving.app import build_app, llm_config, serve_config, speculator_source, with_speculator
@@ -91,7 +92,7 @@ def report_served_tau(client: Any, resolved: ResolvedSpeculator, model_name: str
         served = record_served_tau(client, resolved, model_name, metrics_url)
     except Exception as error:  # noqa: BLE001 - urllib, MLflow and parse errors alike must not end serving
         log.warning("serve: served tau not recorded this round (%s: %s); still serving", type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "")
+                    first_line(error))
         return {}
     if served:
         log.info("serve: served tau %.3f over %d draft steps", served["served.tau"], served["served.num_drafts"])
