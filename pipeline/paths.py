@@ -49,13 +49,35 @@ def result_settings(values: Any, schema: type) -> dict:
     return plain
 
 
+def schema_defaults(schema: type) -> dict:
+    """A schema's result settings at their defaults, as result_settings gives a config's."""
+    return result_settings(OmegaConf.structured(schema), schema)
+
+
 def _used_data_settings(data_cfg: Any) -> dict:
-    """cfg.data's result settings (not its `name` label), without the synthetic settings of a source that does not
-    read them (they change no prompt)."""
+    """cfg.data's result settings (not its `name` label), with the fields its source does not read
+    (pipeline/data/prompts.py: FIELDS_READ_BY) at their defaults: another value of one selects the same prompts, so
+    it resumes the same run. The synthetic settings of a source that does not read them are left out (as before
+    the other fields were normalised: those keys stay)."""
+    from pipeline.data.prompts import FIELDS_READ_BY  # imports datasets: only when keys are built
+
     data = result_settings(data_cfg, DataConfig)
+    defaults = schema_defaults(DataConfig)
+    for name, sources in FIELDS_READ_BY.items():
+        if data.get("source") not in sources:
+            data[name] = defaults[name]
     if data.get("source") not in WRITTEN_BY_THE_VERIFIER:
         data.pop("synthetic", None)
     return data
+
+
+def _deepspeed_settings(cfg: DictConfig) -> dict:
+    """cfg.deepspeed's result settings; with DeepSpeed off only `enabled` is read (the plain torch engine), so the
+    rest are keyed at their defaults and changing them resumes the same run."""
+    deepspeed = result_settings(cfg.deepspeed, DeepSpeedConfig)
+    if not cfg.deepspeed.enabled:
+        deepspeed = {**schema_defaults(DeepSpeedConfig), "enabled": False}
+    return deepspeed
 
 
 def chat_additions(verifier_cfg: Any) -> dict:
@@ -110,6 +132,8 @@ def _training_settings(cfg: DictConfig) -> dict:
     if not _selects_by_val_tau(cfg):
         training.pop("val_tau_samples", None)
         training.pop("val_tau_max_new_tokens", None)
+    if cfg.training.val_samples == 0:  # no validation, so no pick among checkpoints: the last step's weights are final
+        training["checkpoint_every"] = schema_defaults(TrainingConfig)["checkpoint_every"]
     return training
 
 
@@ -151,7 +175,7 @@ class StagePaths:
         drafter_class = _drafter_class(cfg.drafter.name)
         drafter = {**result_settings(cfg.drafter, drafter_schema), "aux_layer_ids": aux_layer_ids}
         self.train_key = content_key(self.store_key, drafter, _training_settings(cfg),
-                                     result_settings(cfg.deepspeed, DeepSpeedConfig),
+                                     _deepspeed_settings(cfg),
                                      *_val_tau_decoding(cfg, drafter_class))
         # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
         # gate's thresholds decide on a report without changing it, so they stay out of the key.

@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 VALID_ROLES = ("system", "user", "assistant")
 # Sources that need no file and no network: HumanEval from its package, the verifier's own prompts, or both.
 OFFLINE_SOURCES = ("humaneval", *WRITTEN_BY_THE_VERIFIER)
+# The data fields only some sources read ({field: the sources reading it}); system_prompt, the split sizes and the
+# shuffle seed apply to every source. Another value of a field its source does not read selects the same prompts.
+FILE_SOURCES = ("jsonl", "parquet", "hub")
+FIELDS_READ_BY = {"path": FILE_SOURCES, "messages_field": FILE_SOURCES, "prompt_field": FILE_SOURCES,
+                  "subset": ("hub",), "split": ("hub",), "synthetic": WRITTEN_BY_THE_VERIFIER}
+# The row fields of the prompts an offline source makes itself (its rows never meet data.messages_field/prompt_field).
+OFFLINE_ROW_FIELDS = ("messages", "prompt")
 
 
 def conversation_id(messages: list[dict[str, str]]) -> str:
@@ -78,7 +85,8 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
             if writer is None:
                 raise PipelineError(f"data.source: '{source}' needs the verifier to write prompts")
             prompts += [row["prompt"] for row in verifier_prompts(data_cfg.synthetic, writer)]
-        return list(_numbered(({data_cfg.prompt_field: prompt} for prompt in prompts), f"data.source '{source}'"))
+        prompt_field = OFFLINE_ROW_FIELDS[1]
+        return list(_numbered(({prompt_field: prompt} for prompt in prompts), f"data.source '{source}'"))
     if source in ("jsonl", "parquet"):
         path = Path(str(data_cfg.path)).expanduser()
         if not path.is_file():
@@ -101,7 +109,9 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
 
 
 def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter) -> list[dict[str, str]]:
-    messages = row_messages(row, data_cfg.messages_field, data_cfg.prompt_field, where, dropped)
+    fields = (OFFLINE_ROW_FIELDS if data_cfg.source in OFFLINE_SOURCES
+              else (data_cfg.messages_field, data_cfg.prompt_field))
+    messages = row_messages(row, *fields, where, dropped)
     if data_cfg.system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
     return messages

@@ -251,6 +251,56 @@ def test_a_setting_that_changes_results_trains_a_new_run(override):
     assert changed.train != base.train and changed.store == base.store
 
 
+# (a data preset, one field its source does not read): another value selects the same prompts
+UNREAD_DATA_FIELDS = [("humaneval", "data.path=/tmp/x.jsonl"), ("humaneval", "data.prompt_field=question"),
+                      ("humaneval", "data.messages_field=chat"), ("humaneval", "data.split=test"),
+                      ("general", "data.subset=main"), ("jsonl data.path=/tmp/p.jsonl", "data.split=test"),
+                      ("jsonl data.path=/tmp/p.jsonl", "data.subset=main")]
+# (a data preset, one field its source reads)
+READ_DATA_FIELDS = [("gsm8k", "data.split=test"), ("gsm8k", "data.subset=socratic"), ("gsm8k", "data.path=other/set"),
+                    ("gsm8k", "data.prompt_field=q"), ("jsonl data.path=/tmp/p.jsonl", "data.messages_field=chat"),
+                    ("jsonl data.path=/tmp/p.jsonl", "data.path=/tmp/q.jsonl"), ("humaneval", "data.system_prompt=Hi")]
+
+
+@pytest.mark.parametrize("preset, override", UNREAD_DATA_FIELDS)
+def test_a_data_field_the_source_does_not_read_keeps_the_prompts(preset, override):
+    from pipeline.paths import StagePaths
+
+    base = [f"data={preset.split()[0]}", *preset.split()[1:]]
+    assert StagePaths(compose([*base, override])).prompts == StagePaths(compose(base)).prompts
+
+
+@pytest.mark.parametrize("preset, override", READ_DATA_FIELDS)
+def test_a_data_field_the_source_reads_moves_the_prompts(preset, override):
+    from pipeline.paths import StagePaths
+
+    base = [f"data={preset.split()[0]}", *preset.split()[1:]]
+    assert StagePaths(compose([*base, override])).prompts != StagePaths(compose(base)).prompts
+
+
+@pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true", "deepspeed.offload_optimizer=true",
+                                      "+deepspeed.extra.wall_clock_breakdown=true"])
+def test_deepspeed_settings_key_a_run_only_when_deepspeed_trains_it(override):
+    from pipeline.paths import StagePaths
+
+    off = ["deepspeed.enabled=false"]
+    assert StagePaths(compose([*off, override])).train == StagePaths(compose(off)).train
+    assert StagePaths(compose([override])).train != StagePaths(compose([])).train
+
+
+def test_checkpoint_every_keys_a_run_only_when_validation_picks_among_checkpoints():
+    """Without validation the last step's weights are final whatever the checkpoint interval (it decides only where
+    a restart resumes); with it, the interval decides which checkpoints compete."""
+    from pipeline.paths import StagePaths
+
+    unvalidated = ["training.val_samples=0"]
+    assert (StagePaths(compose([*unvalidated, "training.checkpoint_every=7"])).train
+            == StagePaths(compose(unvalidated)).train)
+    validated = ["training.val_samples=4"]
+    assert (StagePaths(compose([*validated, "training.checkpoint_every=7"])).train
+            != StagePaths(compose(validated)).train)
+
+
 @pytest.mark.parametrize("override", ["generation.temperature=0.5", "generation.max_length=256",
                                       "generation.compression=fp8", "data.num_train=32"])
 def test_a_setting_that_changes_what_is_written_moves_the_store(override):

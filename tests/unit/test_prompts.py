@@ -26,6 +26,14 @@ def test_humaneval_ships_offline():
     assert prompts[0]["messages"][0]["role"] == "user" and len(prompts[0]["sample_id"]) == 16
 
 
+def test_an_offline_source_reads_no_row_field_setting():
+    """HumanEval's prompts are rows the source makes itself: data.messages_field / prompt_field (what a file's
+    columns are called) change none of them, so the prompts key may leave them out (pipeline/paths.py)."""
+    default = load_prompts(data_cfg(source="humaneval"))
+    for fields in ({"prompt_field": "question"}, {"messages_field": "prompt"}, {"prompt_field": "messages"}):
+        assert load_prompts(data_cfg(source="humaneval", **fields))[:] == default[:]
+
+
 def test_jsonl_rows_become_deduplicated_conversations(prompts_jsonl):
     prompts = load_prompts(data_cfg(path=str(prompts_jsonl)))
     assert len(prompts) == 13  # 14 rows, one duplicate
