@@ -15,6 +15,7 @@ from pipeline.config.schema import (
     DataConfig,
     DeepSpeedConfig,
     DrafterConfig,
+    EvalSetConfig,
     EvaluationConfig,
     GenerationConfig,
     TrainingConfig,
@@ -69,6 +70,18 @@ def _used_data_settings(data_cfg: Any) -> dict:
     if data.get("source") not in WRITTEN_BY_THE_VERIFIER:
         data.pop("synthetic", None)
     return data
+
+
+def _used_set_fields(definition: Any) -> Any:
+    """An eval set's definition (a plain dict of EvalSetConfig fields, as written) without the fields its source does
+    not read: another value of one decodes the same prompts. The presets write none, so their keys stay."""
+    from pipeline.data.prompts import FIELDS_READ_BY
+
+    if not isinstance(definition, dict):  # refused when the set is read (eval_sets.set_config), named there
+        return definition
+    source = str(definition.get("source", EvalSetConfig.source))
+    return {name: value for name, value in definition.items()
+            if name not in FIELDS_READ_BY or source in FIELDS_READ_BY[name]}
 
 
 def _deepspeed_settings(cfg: DictConfig) -> dict:
@@ -186,7 +199,7 @@ class StagePaths:
         if decoding:
             measured["decoding"] = decoding
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
-        measured["sets"] = {name: measured["sets"][name] for name in cfg.evaluation.datasets
+        measured["sets"] = {name: _used_set_fields(measured["sets"][name]) for name in cfg.evaluation.datasets
                             if name in measured["sets"]}
         self.evaluation_key = content_key(self.train_key, measured, data)
 

@@ -278,6 +278,17 @@ def test_a_data_field_the_source_reads_moves_the_prompts(preset, override):
     assert StagePaths(compose([*base, override])).prompts != StagePaths(compose(base)).prompts
 
 
+def test_an_eval_set_field_its_source_does_not_read_keeps_the_evaluation():
+    from pipeline.paths import StagePaths
+
+    sets = ["evaluation.datasets=[held_out,humaneval,gsm8k]"]
+    base = StagePaths(compose(sets))
+    for unread in ("+evaluation.sets.humaneval.split=test", "+evaluation.sets.humaneval.prompt_field=question"):
+        assert StagePaths(compose([*sets, unread])).evaluation == base.evaluation
+    for read in ("evaluation.sets.gsm8k.split=train", "+evaluation.sets.humaneval.system_prompt=Hi"):
+        assert StagePaths(compose([*sets, read])).evaluation != base.evaluation
+
+
 @pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true", "deepspeed.offload_optimizer=true",
                                       "+deepspeed.extra.wall_clock_breakdown=true"])
 def test_deepspeed_settings_key_a_run_only_when_deepspeed_trains_it(override):
