@@ -109,9 +109,9 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
 
 
 def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter) -> list[dict[str, str]]:
-    fields = (OFFLINE_ROW_FIELDS if data_cfg.source in OFFLINE_SOURCES
-              else (data_cfg.messages_field, data_cfg.prompt_field))
-    messages = row_messages(row, *fields, where, dropped)
+    messages_field, prompt_field = (OFFLINE_ROW_FIELDS if data_cfg.source in OFFLINE_SOURCES
+                                    else (data_cfg.messages_field, data_cfg.prompt_field))
+    messages = row_messages(row, messages_field, prompt_field, where, dropped)
     if data_cfg.system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
     return messages
