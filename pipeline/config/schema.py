@@ -35,6 +35,11 @@ class LrSchedule(StrEnum):
     linear = "linear"
 
 
+class LossPositions(StrEnum):
+    response = "response"
+    all = "all"
+
+
 class AutocastDtype(StrEnum):
     auto = "auto"
     bfloat16 = "bfloat16"
@@ -298,6 +303,10 @@ class TrainingConfig:
     # Global gradient-norm clip. Not applied with optimizer=muon under DeepSpeed, which would clip Muon's
     # orthogonalised update instead of the gradient (pipeline/training/optim.py: deepspeed_grad_clip).
     grad_clip: float = 1.0
+    # Which positions' next tokens the drafter learns: `response`, the assistant turns (the loss mask speculators and
+    # SpecForge train on), or `all`, every captured position, the prompt and chat-template tokens too: the store holds
+    # the verifier's final hidden state there as well, so the teacher (its next-token distribution) is known.
+    loss_positions: LossPositions = LossPositions.response
     checkpoint_every: int = 100
     # Ray Train keeps this many of the latest checkpoints in cluster.storage_path.
     keep_checkpoints: int = run_setting(2)  # with validation the best ones are kept: the final pick is the same

@@ -58,6 +58,14 @@ def unpack(batch: dict[str, np.ndarray]) -> dict:
     return {"step": int(batch["step"][0]), "micro": int(batch["micro"][0]), "samples": samples}
 
 
+def with_loss_positions(samples: list[dict], loss_positions: str) -> list[dict]:
+    """The samples with the loss mask training.loss_positions asks for: as stored (`response`: 1 on the assistant
+    turns' tokens), or 1 on every position (`all`). The validation samples keep theirs, so val.* stays comparable."""
+    if loss_positions == "response":
+        return samples
+    return [{**sample, "loss_mask": torch.ones_like(sample["loss_mask"])} for sample in samples]
+
+
 def _collate_class():
     from ray.data.collate_fn import NumpyBatchCollateFn
 

@@ -25,7 +25,7 @@ from pipeline.metrics import expected_tau
 from pipeline.tracking import client_for, log_metric_batch
 from pipeline.training import dist
 from pipeline.training.engine import Engine
-from pipeline.training.feed import plan_row, stream_micro_batches
+from pipeline.training.feed import plan_row, stream_micro_batches, with_loss_positions
 from pipeline.training.order import GlobalOrder
 from pipeline.training.precision import resolve_autocast
 from pipeline.training.resume import micro_batch_for, needs_universal, read_resume_point
@@ -260,7 +260,7 @@ def _train_steps(config: WorkerConfig, engine: Engine, feed, order: GlobalOrder,
             if (fed["step"], fed["micro"]) != (step, micro_index):  # the stream must be the planned order
                 raise RuntimeError(f"data stream out of order: got step {fed['step']} micro {fed['micro']}, "
                                    f"expected step {step} micro {micro_index}")
-            batch = fed["samples"]
+            batch = with_loss_positions(fed["samples"], training.loss_positions)
             with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
                 loss, correct, total = engine.module.training_loss(batch, config.drafter, generator,
                                                                        count_matches=logs)

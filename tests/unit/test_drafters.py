@@ -34,6 +34,25 @@ def test_draft_shape_and_target_ids(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_loss_positions_all_trains_the_prompt_positions_too(algorithm):
+    """training.loss_positions=all: every drafter reads the widened mask, so its loss covers more draft targets
+    (the prompt's) than the stored assistant-only mask gives; `response` leaves the samples as stored."""
+    from pipeline.training.feed import with_loss_positions
+
+    samples = tiny_samples(prompt=12)
+    assert with_loss_positions(samples, "response") is samples
+    widened = with_loss_positions(samples, "all")
+    assert all(bool(s["loss_mask"].all()) for s in widened)
+    assert all(int(s["loss_mask"].sum()) == 12 for s in samples)  # the stored samples are not changed
+    # every anchor, so the counts compare the masks, not a sample of anchors
+    options = tiny_options(algorithm, max_anchors=None)
+    model = tiny_drafter(algorithm)
+    _, _, response = model.training_loss(samples, options, torch.Generator().manual_seed(0))
+    _, _, everywhere = model.training_loss(widened, options, torch.Generator().manual_seed(0))
+    assert everywhere[0] > response[0], (everywhere, response)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_loss_falls_and_only_trainable_weights_move(algorithm):
     model = tiny_drafter(algorithm)
     samples = tiny_samples()
