@@ -289,8 +289,8 @@ def test_an_eval_set_field_its_source_does_not_read_keeps_the_evaluation():
         assert StagePaths(compose([*sets, read])).evaluation != base.evaluation
 
 
-@pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true", "deepspeed.offload_optimizer=true",
-                                      "+deepspeed.extra.wall_clock_breakdown=true"])
+@pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true",
+                                      "deepspeed.offload_optimizer=true", "+deepspeed.extra.wall_clock_breakdown=true"])
 def test_deepspeed_settings_key_a_run_only_when_deepspeed_trains_it(override):
     from pipeline.paths import StagePaths
 
