@@ -50,7 +50,7 @@ def result_settings(values: Any, schema: type) -> dict:
     return plain
 
 
-def schema_defaults(schema: type) -> dict:
+def _schema_defaults(schema: type) -> dict:
     """A schema's result settings at their defaults, as result_settings gives a config's."""
     return result_settings(OmegaConf.structured(schema), schema)
 
@@ -58,17 +58,18 @@ def schema_defaults(schema: type) -> dict:
 def _used_data_settings(data_cfg: Any) -> dict:
     """cfg.data's result settings (not its `name` label), with the fields its source does not read
     (pipeline/data/prompts.py: FIELDS_READ_BY) at their defaults: another value of one selects the same prompts, so
-    it resumes the same run. The synthetic settings of a source that does not read them are left out (as before
-    the other fields were normalised: those keys stay)."""
+    it resumes the same run. The synthetic settings of a source that does not read them are left out instead (as
+    before the other fields were normalised: those keys stay)."""
     from pipeline.data.prompts import FIELDS_READ_BY  # imports datasets: only when keys are built
 
     data = result_settings(data_cfg, DataConfig)
-    defaults = schema_defaults(DataConfig)
     for name, sources in FIELDS_READ_BY.items():
-        if data.get("source") not in sources:
-            data[name] = defaults[name]
-    if data.get("source") not in WRITTEN_BY_THE_VERIFIER:
-        data.pop("synthetic", None)
+        if data.get("source") in sources:
+            continue
+        if name == "synthetic":
+            data.pop(name, None)
+        else:
+            data[name] = getattr(DataConfig, name)  # a plain default (only `synthetic` has a factory)
     return data
 
 
@@ -89,7 +90,7 @@ def _deepspeed_settings(cfg: DictConfig) -> dict:
     rest are keyed at their defaults and changing them resumes the same run."""
     deepspeed = result_settings(cfg.deepspeed, DeepSpeedConfig)
     if not cfg.deepspeed.enabled:
-        deepspeed = {**schema_defaults(DeepSpeedConfig), "enabled": False}
+        deepspeed = {**_schema_defaults(DeepSpeedConfig), "enabled": False}
     return deepspeed
 
 
@@ -146,7 +147,7 @@ def _training_settings(cfg: DictConfig) -> dict:
         training.pop("val_tau_samples", None)
         training.pop("val_tau_max_new_tokens", None)
     if cfg.training.val_samples == 0:  # no validation, so no pick among checkpoints: the last step's weights are final
-        training["checkpoint_every"] = schema_defaults(TrainingConfig)["checkpoint_every"]
+        training["checkpoint_every"] = TrainingConfig.checkpoint_every
     return training
 
 

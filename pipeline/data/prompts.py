@@ -85,7 +85,7 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
             if writer is None:
                 raise PipelineError(f"data.source: '{source}' needs the verifier to write prompts")
             prompts += [row["prompt"] for row in verifier_prompts(data_cfg.synthetic, writer)]
-        prompt_field = OFFLINE_ROW_FIELDS[1]
+        _, prompt_field = OFFLINE_ROW_FIELDS
         return list(_numbered(({prompt_field: prompt} for prompt in prompts), f"data.source '{source}'"))
     if source in ("jsonl", "parquet"):
         path = Path(str(data_cfg.path)).expanduser()
