@@ -222,6 +222,17 @@ def test_a_verifier_folder_of_an_unsupported_family_is_refused_before_any_stage(
         check_verifier_family(str(tmp_path))
 
 
+def _hub_cache_snapshot(cache: Path, repo_id: str) -> Path:
+    """An empty snapshot folder of `repo_id` in a huggingface_hub cache laid out as the hub writes it (refs/main
+    naming the snapshot), to fill with files."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    revision = "0" * 40
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return repo / "snapshots" / revision
+
+
 def test_a_hub_verifier_this_machine_cannot_load_is_one_line_before_any_stage(tmp_path, monkeypatch):
     """Offline (as here) and not in the local hub cache: named at once, not by the first stage's Ray actors. One in
     the cache is read from there, offline, and its family checked like a local folder's."""
@@ -236,10 +247,7 @@ def test_a_hub_verifier_this_machine_cannot_load_is_one_line_before_any_stage(tm
     with pytest.raises(PipelineError, match=r"^verifier\.path: cannot load hub model 'someorg/no-such-model' \(not "
                                             r"in the local hub cache, and the hub did not give it: \w+"):
         check_verifier_family("someorg/no-such-model")
-    snapshot = tmp_path / "hub" / "models--someorg--cached" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    (tmp_path / "hub" / "models--someorg--cached" / "refs").mkdir()
-    (tmp_path / "hub" / "models--someorg--cached" / "refs" / "main").write_text("0" * 40)
+    snapshot = _hub_cache_snapshot(tmp_path / "hub", "someorg/cached")
     (snapshot / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(PipelineError, match="model_type 'mamba' is not a supported verifier family"):
         check_verifier_family("someorg/cached")
@@ -266,10 +274,7 @@ def test_a_partly_cached_hub_verifier_passes_only_when_the_hub_can_give_the_rest
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    snapshot = tmp_path / "hub" / "models--someorg--partial" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    (tmp_path / "hub" / "models--someorg--partial" / "refs").mkdir()
-    (tmp_path / "hub" / "models--someorg--partial" / "refs" / "main").write_text("0" * 40)
+    snapshot = _hub_cache_snapshot(tmp_path / "hub", "someorg/partial")
     (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
     config_file = snapshot / "config.json"
     monkeypatch.setattr("pipeline.families._hub_config_file", lambda hub_id: config_file)
