@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.losses.blockwise import RowWeights
 
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor,
@@ -59,7 +61,7 @@ def distill_rows(model: Any, student_logits: torch.Tensor, teacher_full: torch.T
 
 
 def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Tensor, depths: torch.Tensor,
-                        weights: Optional[torch.Tensor] = None, teacher_rows: Optional[torch.Tensor] = None,
+                        weights: RowWeights = None, teacher_rows: Optional[torch.Tensor] = None,
                         bias: Optional[torch.Tensor] = None, with_acceptance: bool = False,
                         target: str = "distribution",
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -71,16 +73,37 @@ def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Te
 
     target: "distribution" distils the verifier's next-token distribution (soft cross-entropy, KL up to a
     constant); "argmax" its greedy token (cross-entropy on the argmax over the draft vocabulary: speculators'
-    `ce` loss, its DFlash default). weights: [N], or a function of the rows' losses (pipeline.losses.blockwise)."""
+    `ce` loss, its DFlash default). weights: [N], or a function of the rows' KL(target || drafter) [N] (each row's
+    loss less its target's entropy, so the loss itself for the one-hot argmax target) that returns them
+    (pipeline.losses.blockwise); exp(-KL) is then the drafter's probability of the greedy token for "argmax", and
+    stands for it with the distribution target."""
     teacher_probs = teacher_targets(model.to_draft_vocab(teacher_full), target)  # [U, Vd]
     teacher_argmax = teacher_full.argmax(dim=-1)  # [U]
     if teacher_rows is not None:
         teacher_argmax = teacher_argmax[teacher_rows]
+    if callable(weights):
+        weights = _of_kl(weights, target_entropy(teacher_probs), teacher_rows)
     loss, drafted, acceptance = model.lm_head(hidden, teacher_probs, teacher_rows, weights, bias=bias,
                                               with_acceptance=with_acceptance)
     correct, total = per_depth_counts(model.to_target_ids(drafted) == teacher_argmax, depths,
                                       model.spec.num_speculative_tokens)
     return loss, correct, total, acceptance
+
+
+def target_entropy(target_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each target row [U, Vd] -> [U]; exactly 0 for a one-hot row."""
+    return -torch.special.xlogy(target_probs, target_probs).sum(dim=-1)
+
+
+def _of_kl(weights_of_kl: Callable[[torch.Tensor], torch.Tensor], entropy: torch.Tensor,
+           teacher_rows: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Row weights from the rows' soft cross-entropies [N]: their KL to the target (cross-entropy less the target's
+    entropy; clamped at 0 against rounding) is what `weights_of_kl` reads."""
+    row_entropy = entropy if teacher_rows is None else entropy[teacher_rows]
+
+    def weights_of_losses(losses: torch.Tensor) -> torch.Tensor:
+        return weights_of_kl((losses - row_entropy.to(losses.dtype)).clamp_min(0.0))
+    return weights_of_losses
 
 
 def on_model_device(model: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

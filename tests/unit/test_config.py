@@ -179,7 +179,6 @@ def test_an_eval_sets_definition_is_checked_against_the_schema_naming_its_key(de
 @pytest.mark.parametrize("overrides, field", [
     (["drafter=dspark", "drafter.distill_target=argmax", "drafter.position_weighting=dpace"],
      "drafter.position_weighting"),  # DSpark's Markov bias trains with fixed weights
-    (["drafter=dflash", "drafter.distill_target=distribution"], "drafter.position_weighting"),  # dpace needs argmax
     (["drafter=dflash", "drafter.distill_target=hard"], "drafter.distill_target"),
     (["drafter=dflash", "drafter.dpace_alpha=1.0"], "drafter.dpace_alpha"),
     (["drafter=dspark", "drafter.dpace_alpha=0.1"], "drafter.dpace_alpha"),  # D-PACE is DFlash's alone
@@ -188,6 +187,7 @@ def test_an_eval_sets_definition_is_checked_against_the_schema_naming_its_key(de
 def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(overrides, field):
     validate(compose(["drafter=dflash"]))  # speculators' DFlash loss is the default
     validate(compose(["drafter=dflash", "drafter.distill_target=distribution", "drafter.position_weighting=decay"]))
+    validate(compose(["drafter=dflash", "drafter.distill_target=argmax", "drafter.position_weighting=dpace"]))
     validate(compose(["drafter=dspark", "drafter.distill_target=argmax"]))
     with pytest.raises(PipelineError, match=field.replace(".", r"\.") + ": "):
         validate(compose(overrides))

@@ -358,13 +358,42 @@ def test_dpace_weights_each_draft_by_the_acceptance_it_can_still_add():
     assert math.isclose(float(smoothed[2]), 1.0 * 0.75 * 0.625, rel_tol=1e-6)  # s = 0.5 q + 0.5
 
 
-def test_dflash_trains_on_the_greedy_token_with_dpace_weights():
-    """speculators' DFlash loss (cross-entropy on the verifier's argmax, D-PACE weights): the loss falls and it is
-    not the default loss."""
+@pytest.mark.parametrize("target", ["argmax", "distribution"])
+def test_dpace_weights_read_each_rows_kl_to_its_target(target):
+    """D-PACE's weight function gets KL(target || drafter) per row: the cross-entropy on the greedy token for the
+    argmax target, and the soft cross-entropy less the verifier's entropy for the distribution target."""
+    from pipeline.losses.distill import distill_hidden_rows
+
+    model = tiny_drafter("dflash")
+    generator = torch.Generator().manual_seed(1)
+    hidden, teacher = torch.randn(6, HIDDEN, generator=generator), torch.randn(3, VOCAB, generator=generator) * 2
+    teacher_rows = torch.tensor([0, 0, 1, 2, 2, 1])
+    seen = []
+
+    def record(kl: torch.Tensor) -> torch.Tensor:
+        seen.append(kl.clone())
+        return torch.ones_like(kl)
+    distill_hidden_rows(model, hidden, teacher, torch.tensor([0, 1, 0, 0, 1, 2]), record, teacher_rows,
+                        target=target)
+    log_q = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)  # [6, V]
+    log_p = torch.log_softmax(teacher, dim=-1)[teacher_rows]
+    if target == "argmax":
+        expected = -log_q.gather(1, log_p.argmax(dim=-1, keepdim=True))[:, 0]
+    else:
+        expected = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    assert torch.allclose(seen[0], expected, atol=1e-4), (seen[0], expected)
+    assert bool((expected > 0.05).all())  # not a degenerate check
+
+
+@pytest.mark.parametrize("target", ["argmax", "distribution"])
+def test_dflash_trains_with_dpace_weights(target):
+    """D-PACE weights with either target (speculators' DFlash loss is argmax + dpace; ours distribution + dpace):
+    the loss falls and it is not the decay-weighted loss."""
     model = tiny_drafter("dflash")
     samples = tiny_samples()
-    options = tiny_options("dflash", distill_target="argmax", position_weighting="dpace", dpace_alpha=0.5)
-    default = model.training_loss(samples, tiny_options("dflash"), torch.Generator().manual_seed(0))[0]
+    options = tiny_options("dflash", distill_target=target, position_weighting="dpace", dpace_alpha=0.5)
+    default = model.training_loss(samples, tiny_options("dflash", distill_target=target),
+                                  torch.Generator().manual_seed(0))[0]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for step in range(40):

@@ -59,14 +59,16 @@ def acceptance_weights(row_losses: torch.Tensor, block_of_row: torch.Tensor, dra
     """D-PACE loss weights (speculators' `per_position_loss_weight=dpace`): each draft weighs what the block's
     expected accepted length gains from it.
 
-    With q_j = exp(-CE_j) the drafter's probability of the verifier's greedy token at draft j (so CE against the
-    argmax: `drafter.distill_target=argmax`), smoothed to s_j = (1 - alpha) q_j + alpha, the block accepts past
-    draft i with probability prod_{k<=i} s_k, and draft j's weight is the sum of those products over i >= j: the
-    derivative of the expected accepted length with respect to log s_j. Drafts with no row (outside the answer) count
-    as s = 1 and get no weight. No gradient flows through the weights.
+    With q_j = exp(-KL_j) the drafter's probability of the verifier's greedy token at draft j, smoothed to
+    s_j = (1 - alpha) q_j + alpha, the block accepts past draft i with probability prod_{k<=i} s_k, and draft j's
+    weight is the sum of those products over i >= j: the derivative of the expected accepted length with respect to
+    log s_j. For the argmax target (`drafter.distill_target=argmax`, speculators' D-PACE) KL_j is the row's
+    cross-entropy and q_j exactly that probability; for the distribution target exp(-KL(verifier || drafter))
+    stands for it (1 where the drafter matches the verifier). Drafts with no row (outside the answer) count as
+    s = 1 and get no weight. No gradient flows through the weights.
 
-    row_losses [M] (each row's CE), block_of_row [M] in [0, num_blocks), draft_of_row [M] in [0, K) ->
-    weights [M]."""
+    row_losses [M] (each row's KL to its target, as pipeline.losses.distill.distill_hidden_rows passes it),
+    block_of_row [M] in [0, num_blocks), draft_of_row [M] in [0, K) -> weights [M]."""
     with torch.no_grad():
         smooth = torch.ones(num_blocks, num_speculative_tokens, device=row_losses.device)
         present = torch.zeros(num_blocks, num_speculative_tokens, device=row_losses.device)

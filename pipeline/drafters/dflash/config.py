@@ -24,7 +24,8 @@ class DFlashConfig(DrafterConfig):
     # Loss weight of draft j is exp(-j / loss_decay_gamma) (position_weighting "decay").
     loss_decay_gamma: float = 7.0
     # "dpace" weighs each draft by what the block's expected accepted length gains from it, from the rows' own
-    # losses (speculators' D-PACE, its DFlash default; needs distill_target "argmax"), smoothed by dpace_alpha.
+    # losses (speculators' D-PACE, its DFlash default with distill_target "argmax"; with "distribution" the
+    # drafter's exp(-KL) to the verifier stands for its greedy-match probability), smoothed by dpace_alpha.
     position_weighting: PositionWeighting = PositionWeighting.decay
     dpace_alpha: float = 0.5
     # What a draft learns from the verifier: its next-token "distribution" (soft cross-entropy) or its greedy token
@@ -32,13 +33,8 @@ class DFlashConfig(DrafterConfig):
     distill_target: DistillTarget = DistillTarget.distribution
 
     def validate(self) -> None:
-        """D-PACE reads each draft's probability of the verifier's greedy token, which only the argmax target's
-        loss computes."""
         from pipeline.errors import require
 
         super().validate()
         require(self.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
-        require(self.position_weighting == "decay" or self.distill_target == "argmax",
-                "drafter.position_weighting: 'dpace' needs drafter.distill_target=argmax (its weights read the "
-                "drafter's probability of the verifier's greedy token)")
         require(0.0 <= self.dpace_alpha < 1.0, "drafter.dpace_alpha: must be in [0, 1)")
