@@ -234,7 +234,8 @@ class DFlashDrafter(DrafterBase):
 def _row_weights(options: DFlashConfig, block_of_row: torch.Tensor, draft_of_row: torch.Tensor, num_blocks: int,
                  num_speculative_tokens: int):
     """Loss weight per row: exp(-j / loss_decay_gamma) of its draft index j ("decay"), or D-PACE's acceptance
-    weights computed from the rows' own losses ("dpace", `acceptance_weights`)."""
+    weights computed from each row's KL to its target, which distill_hidden_rows passes ("dpace",
+    `acceptance_weights`)."""
     if options.position_weighting == "dpace":
         return functools.partial(acceptance_weights, block_of_row=block_of_row, draft_of_row=draft_of_row,
                                  num_blocks=num_blocks, num_speculative_tokens=num_speculative_tokens,
