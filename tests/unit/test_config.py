@@ -185,7 +185,7 @@ def test_an_eval_sets_definition_is_checked_against_the_schema_naming_its_key(de
     (["drafter=dflash2", "drafter.dpace_alpha=0.1"], "drafter.dpace_alpha"),
 ])
 def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(overrides, field):
-    validate(compose(["drafter=dflash"]))  # speculators' DFlash loss is the default
+    validate(compose(["drafter=dflash"]))  # the distribution with D-PACE weights is the default
     validate(compose(["drafter=dflash", "drafter.distill_target=distribution", "drafter.position_weighting=decay"]))
     validate(compose(["drafter=dflash", "drafter.distill_target=argmax", "drafter.position_weighting=dpace"]))
     validate(compose(["drafter=dspark", "drafter.distill_target=argmax"]))

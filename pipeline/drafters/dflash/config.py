@@ -23,9 +23,9 @@ class DFlashConfig(DrafterConfig):
     causal_block: bool = False
     # Loss weight of draft j is exp(-j / loss_decay_gamma) (position_weighting "decay").
     loss_decay_gamma: float = 7.0
-    # "dpace" weighs each draft by what the block's expected accepted length gains from it, from the rows' own
-    # losses (speculators' D-PACE, its DFlash default with distill_target "argmax"; with "distribution" the
-    # drafter's exp(-KL) to the verifier stands for its greedy-match probability), smoothed by dpace_alpha.
+    # "dpace" weighs each draft by what the block's expected accepted length gains from it, read from each row's
+    # exp(-KL) to its target: the greedy-match probability itself with distill_target "argmax" (speculators'
+    # D-PACE, its DFlash default), a stand-in for it with "distribution"; smoothed by dpace_alpha.
     position_weighting: PositionWeighting = PositionWeighting.decay
     dpace_alpha: float = 0.5
     # What a draft learns from the verifier: its next-token "distribution" (soft cross-entropy) or its greedy token
