@@ -153,13 +153,16 @@ def _drafter_fit_to(path: str, verifier, tokenizer, algorithm: str, prompts: lis
     """A drafter of `algorithm` for this verifier (its family's layer layout, head and soft cap), trained by its own
     loss on the verifier's greedy answers to `prompts` until it predicts them: a random verifier's answers cannot
     be learnt in general at toy size, but a drafter that has seen them is accepted on them, so the lossless and
-    tau checks below compare real acceptance. Returns the drafter in eval mode."""
+    tau checks below compare real acceptance. The loss targets the greedy token (`drafter.distill_target=argmax`):
+    a random verifier's next-token distribution is nearly flat (Gemma-4's soft cap flattens it further), so
+    distilling it teaches its argmax too slowly for FIT_STEPS. Returns the drafter in eval mode."""
     from pipeline.drafters.build import build_drafter, default_mask_token_id, make_spec
     from pipeline.drafters.vocab import most_frequent_tokens
     from pipeline.evaluation.reference_decoder import verifier_greedy
     from pipeline.families import load_verifier_config
 
-    drafter_cfg = compose([f"drafter={algorithm}", f"drafter.num_speculative_tokens={k}"]).drafter
+    drafter_cfg = compose([f"drafter={algorithm}", f"drafter.num_speculative_tokens={k}",
+                           "drafter.distill_target=argmax"]).drafter
     spec = make_spec(drafter_cfg, load_verifier_config(path), "tiny", path, default_mask_token_id(tokenizer))
     samples = []
     for prompt in prompts:
