@@ -17,6 +17,7 @@ from pipeline.locks import stage_lock
 from pipeline.logs import setup_job_logging
 from pipeline.stages import STAGES
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
+from pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,14 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
     also when a stage fails. Returns each stage's result by name (and the parent run's id); raises PipelineError
     for bad input, and whatever a stage raises."""
-    from pipeline.drafters.build import check_configured_drafter_ids
+    from pipeline.drafters.build import check_configured_drafter
     from pipeline.families import check_verifier_family
 
     validate(cfg)
-    ctx = Context.create(cfg)
+    ctx = Context.create(cfg, track=False)
     check_verifier_family(ctx.verifier_path)
-    check_configured_drafter_ids(cfg.drafter, ctx.verifier_path)
+    check_configured_drafter(cfg.drafter, ctx.verifier_path)
+    ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
     results: dict[str, Any] = {}
     times = StageTimes()
     with ctx.tracking(job).parent_run(job) as parent_run_id:

@@ -49,7 +49,7 @@ def _check_nothing_missing(cfg: DictConfig) -> None:
 
 # Passed through as written to DeepSpeed, vLLM, Ray Serve or Ray Train, whose own schemas judge them (vLLM and Ray
 # Train's FailureConfig take -1 for "no limit"; serving.autoscaling is checked by Ray Serve's model below), or
-# checked against the verifier's config before any stage (pipeline/drafters/build.py: check_configured_drafter_ids,
+# checked against the verifier's config before any stage (pipeline/drafters/build.py: check_configured_drafter,
 # naming the verifier's range).
 UNCHECKED_NUMBERS = ("deepspeed.extra", "serving.engine_kwargs", "serving.autoscaling", "training.max_failures",
                      "drafter.mask_token_id", "drafter.aux_layer_ids")
@@ -150,6 +150,7 @@ def validate(cfg: DictConfig) -> None:
              f"verifier.tiny: '{cfg.verifier.get('tiny')}' is not one of {TINY_FAMILIES}")
     _require(not cfg.verifier.get("tiny") or not (cfg.verifier.path or cfg.verifier.gguf_package),
              "verifier.tiny: builds its own verifier; leave verifier.path and verifier.gguf_package unset")
+    _require(len(cfg.stages) >= 1, f"stages: name at least one stage of {schema_module.STAGE_NAMES}")
     for stage in cfg.stages:
         _require(stage in schema_module.STAGE_NAMES,
                  f"stages: unknown stage '{stage}'; known: {schema_module.STAGE_NAMES}")

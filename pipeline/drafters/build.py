@@ -87,18 +87,18 @@ def check_mask_token_id(mask_token_id: int, vocab_size: int) -> None:
                             f"(0..{int(vocab_size) - 1})")
 
 
-def check_configured_drafter_ids(drafter_cfg: Any, verifier_path: str) -> None:
-    """Before any stage: configured drafter.aux_layer_ids and drafter.mask_token_id checked against the verifier's
-    config.json (layer count, vocabulary), so a bad id is refused in a second rather than after generation and
-    capture. Raises PipelineError; nothing to check (and nothing read) when the drafter's defaults are used."""
-    mask_token_id = drafter_cfg.get("mask_token_id")  # the drafters that fill positions with a mask token
-    if not drafter_cfg.aux_layer_ids and mask_token_id is None:
-        return
+def check_configured_drafter(drafter_cfg: Any, verifier_path: str) -> None:
+    """Before any stage: the configured drafter is built for the verifier's config.json on torch's meta device (no
+    memory, no weights), so every check its spec and its modules make against the verifier (aux layer ids, the mask
+    token, DFlash2's convolution groups and selector candidates) refuses a bad value in a second rather than after
+    generation and capture. Raises PipelineError naming the field."""
+    from pipeline.drafters import drafter_class
+
     verifier_config = load_verifier_config(verifier_path)
-    if drafter_cfg.aux_layer_ids:
-        check_aux_layer_ids(list(drafter_cfg.aux_layer_ids), int(verifier_config.num_hidden_layers))
-    if mask_token_id is not None:
-        check_mask_token_id(mask_token_id, verifier_config.vocab_size)
+    # The tokenizer's default mask token is known only later; any id inside the vocabulary builds the same modules.
+    spec = make_spec(drafter_cfg, verifier_config, "check", verifier_path, default_mask_token_id=0)
+    with torch.device("meta"):
+        drafter_class(drafter_cfg.name)(spec)
 
 
 def make_spec(

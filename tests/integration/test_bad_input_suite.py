@@ -335,7 +335,7 @@ def test_aux_layer_ids_vllm_would_read_otherwise_are_refused(aux, message, tiny_
     cfg = compose([*tiny_overrides(tmp_path, tiny_verifier_path), f"drafter.aux_layer_ids={aux}"])
     assert run_job(cfg, "generate") == 2
     assert re.match(r"error: drafter\.aux_layer_ids: " + message, _error_line(capsys))
-    assert not (tmp_path / "prompts").exists()
+    assert not any(tmp_path.iterdir())  # not even MLflow's store
     # and wherever a spec is made from a config (training, a resume)
     config = AutoConfig.from_pretrained(tiny_verifier_path)
     with pytest.raises(PipelineError, match=r"drafter\.aux_layer_ids: " + message):
@@ -352,11 +352,27 @@ def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_stage(mask, t
     assert run_job(cfg, "generate") == 2
     assert re.match(rf"error: drafter\.mask_token_id: {mask} is outside the verifier's vocabulary \(0\.\.\d+\)",
                     _error_line(capsys))
-    assert not (tmp_path / "prompts").exists()
+    assert not any(tmp_path.iterdir())
     config = AutoConfig.from_pretrained(tiny_verifier_path)
     with pytest.raises(PipelineError, match=r"drafter\.mask_token_id: "):
         make_spec(compose(["drafter=dflash", f"drafter.mask_token_id={mask}"]).drafter, config, "t",
                   tiny_verifier_path, 0)
+
+
+@pytest.mark.parametrize("option, message", [
+    ("drafter.conv_group_size=7", r"drafter\.conv_group_size: 7 does not divide the verifier's hidden size \d+$"),
+    ("drafter.selector_top_k=99999999", r"drafter\.selector_top_k: 99999999 exceeds the verifier's vocabulary "
+                                        r"\(\d+\)$"),
+])
+def test_a_drafter_shape_the_verifier_cannot_take_is_refused_before_any_stage(option, message, tiny_verifier_path,
+                                                                                tmp_path, capsys):
+    """A module's own check against the verifier's sizes (DFlash2's convolution groups, its selector's candidates)
+    runs before the first stage, when the drafter is built without memory on the meta device: not as a traceback
+    after generation and capture."""
+    cfg = compose([*tiny_overrides(tmp_path, tiny_verifier_path), "drafter=dflash2", option])
+    assert run_job(cfg, "generate") == 2
+    assert re.match("error: " + message, _error_line(capsys))
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_resume_with_another_draft_vocabulary_of_the_same_size_names_the_first_difference(tmp_path):

@@ -38,3 +38,12 @@ class DFlashConfig(DrafterConfig):
         super().validate()
         require(self.loss_decay_gamma > 0, "drafter.loss_decay_gamma: must be > 0")
         require(0.0 <= self.dpace_alpha < 1.0, "drafter.dpace_alpha: must be in [0, 1)")
+        # Each weighting reads its own knob: one set for the other weighting is refused rather than ignored (it would
+        # still change the run's key, and train again to the same drafter).
+        if self.position_weighting == PositionWeighting.dpace:
+            require(self.loss_decay_gamma == DFlashConfig.loss_decay_gamma,
+                    "drafter.loss_decay_gamma: read only with position_weighting=decay (dpace weighs each draft by "
+                    "its share of the expected accepted length)")
+        else:
+            require(self.dpace_alpha == DFlashConfig.dpace_alpha,
+                    "drafter.dpace_alpha: read only with position_weighting=dpace (D-PACE's smoothing; dflash's alone)")

@@ -31,8 +31,6 @@ class DFlash2Config(DFlashConfig):
         require(self.draft_vocab_size is None,
                 "drafter.draft_vocab_size: DFlash2 needs the verifier's full vocabulary (null)")
         require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dflash2's")
-        require(self.dpace_alpha == DFlashConfig.dpace_alpha,
-                "drafter.dpace_alpha: D-PACE's smoothing is dflash's, not dflash2's (its weights are the fixed decay)")
         require(1 <= self.conv_kernel_size <= self.num_speculative_tokens + 1,
                 "drafter.conv_kernel_size: must be in [1, num_speculative_tokens + 1] (the block size)")
         require(self.conv_group_size >= 1, "drafter.conv_group_size: must be >= 1")

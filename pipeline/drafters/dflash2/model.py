@@ -25,6 +25,7 @@ from pipeline.config.schema import DrafterConfig
 from pipeline.drafters.dflash.model import DFlashDecoderLayer, DFlashDrafter, block_loss
 from pipeline.drafters.dflash2.config import DFlash2Config
 from pipeline.drafters.spec import DrafterSpec
+from pipeline.errors import PipelineError
 
 CONV_KEYS = ("conv_kernel_size", "conv_group_size")
 SELECTOR_KEYS = ("selector_rank", "selector_top_k")
@@ -52,10 +53,10 @@ class GroupedDynamicConv(nn.Module):
     def __init__(self, hidden_size: int, block_size: int, kernel_size: int, group_size: int):
         super().__init__()
         if hidden_size % group_size:
-            raise ValueError(f"dflash2: the hidden size {hidden_size} is not a multiple of "
-                             f"drafter.conv_group_size={group_size}")
+            raise PipelineError(f"drafter.conv_group_size: {group_size} does not divide the verifier's hidden size "
+                                f"{hidden_size}")
         if kernel_size > block_size:
-            raise ValueError(f"dflash2: drafter.conv_kernel_size={kernel_size} exceeds the block size {block_size}")
+            raise PipelineError(f"drafter.conv_kernel_size: {kernel_size} exceeds the block size {block_size}")
         self.block_size, self.kernel_size, self.num_groups = block_size, kernel_size, hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [input/output, taps, H]
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
@@ -96,7 +97,7 @@ class CandidateSelector(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, init_std: float):
         super().__init__()
         if top_k > vocab_size:
-            raise ValueError(f"dflash2: drafter.selector_top_k={top_k} exceeds the vocabulary ({vocab_size})")
+            raise PipelineError(f"drafter.selector_top_k: {top_k} exceeds the verifier's vocabulary ({vocab_size})")
         self.top_k = top_k
         self.predecessor_codebook = nn.Parameter(torch.randn(vocab_size, rank) * init_std)
         self.successor_codebook = nn.Parameter(torch.randn(vocab_size, rank) * init_std)

@@ -25,5 +25,3 @@ class DSparkConfig(DFlashConfig):
         require(self.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
         require(self.confidence_loss_weight >= 0, "drafter.confidence_loss_weight: must be >= 0")
         require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dspark's")
-        require(self.dpace_alpha == DFlashConfig.dpace_alpha,
-                "drafter.dpace_alpha: D-PACE's smoothing is dflash's, not dspark's (its weights are the fixed decay)")
