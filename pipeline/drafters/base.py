@@ -74,6 +74,13 @@ class DrafterBase(nn.Module):
         confidence threshold); {} for a drafter that has none."""
         return {}
 
+    @staticmethod
+    def check_draft_count(num_speculative_tokens: int) -> None:
+        """draft()'s count must be >= 1: a slice by 0 or a negative count would quietly drop drafts. Raises
+        ValueError."""
+        if num_speculative_tokens < 1:
+            raise ValueError(f"draft: num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+
     def set_decoding_options(self, confidence_threshold: float | None = None) -> None:
         """Decode with the settings a measurement chose (None keeps the current one); a drafter without such a
         setting ignores it."""

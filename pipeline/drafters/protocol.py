@@ -42,5 +42,6 @@ class Drafter(Protocol):
 
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
         """Greedy drafts after one sequence's context: aux_hidden [1, T, A*H], next_ids [1, T] (the token after
-        each position) -> [n] verifier token ids, n <= num_speculative_tokens (DSpark may truncate)."""
+        each position) -> [n] verifier token ids, n <= num_speculative_tokens (DSpark may truncate). Raises
+        ValueError for num_speculative_tokens < 1."""
         ...

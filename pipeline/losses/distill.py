@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from pipeline.config.schema import DistillTarget
 from pipeline.losses.blockwise import RowWeights
 
 
@@ -21,9 +22,15 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_probs: torch.Tensor
     return (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
+DISTILL_TARGETS = tuple(target.value for target in DistillTarget)
+
+
 def teacher_targets(teacher_draft_logits: torch.Tensor, target: str = "distribution") -> torch.Tensor:
-    """[U, Vd] target rows from the verifier's draft-vocabulary logits [U, Vd]: its softmax ("distribution") or a
-    one-hot on its argmax ("argmax", speculators' `ce`); the schema's DistillTarget admits only these two."""
+    """[U, Vd] target rows from the verifier's draft-vocabulary logits [U, Vd]: its softmax ("distribution",
+    speculators' `kl_div`) or a one-hot on its argmax ("argmax", speculators' `ce`). Raises ValueError for another
+    target (the schema's DistillTarget admits only these two)."""
+    if target not in DISTILL_TARGETS:
+        raise ValueError(f"distill target: '{target}' is not one of {DISTILL_TARGETS}")
     if target == "argmax":
         return F.one_hot(teacher_draft_logits.argmax(dim=-1), teacher_draft_logits.shape[-1]).float()
     return F.softmax(teacher_draft_logits.float(), dim=-1)
@@ -67,9 +74,13 @@ def distill_hidden_rows(model: Any, hidden: torch.Tensor, teacher_full: torch.Te
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """`distill_rows` from the drafter's hidden rows [N, H] instead of their logits: the frozen head's logits
     (+ an optional trainable logit bias [U, Vd], one per teacher row) are computed, scored and dropped a block of
-    rows at a time (pipeline.losses.blockwise), never held as [N, Vd]. Same loss, gradients and counts as
-    `distill_rows(model, model.lm_head(hidden) + bias[teacher_rows], ...)`; the fourth value is each row's
-    1 - TV(student, teacher over the draft vocabulary) when `with_acceptance`, else None.
+    rows at a time (pipeline.losses.blockwise), never held as [N, Vd]. With target "distribution", the same loss,
+    gradients and counts as `distill_rows(model, model.lm_head(hidden) + bias[teacher_rows], ...)`. Returns
+    (scalar loss, correct [K], total [K], acceptance): the greedy-match counts per draft depth (depths [N] int64,
+    each row's 0-based draft index; K = spec.num_speculative_tokens), and each row's 1 - TV(student, teacher over
+    the draft vocabulary) [N] when `with_acceptance`, else None. teacher_full [U, V] verifier logits,
+    teacher_rows [N] index into U (None: U = N). Raises ValueError for an unknown target, a head weight that requires
+    grad, or callable weights together with a bias (pipeline.losses.blockwise).
 
     target: "distribution" distils the verifier's next-token distribution (soft cross-entropy, KL up to a
     constant); "argmax" its greedy token (cross-entropy on the argmax over the draft vocabulary: speculators'
@@ -113,6 +124,10 @@ def on_model_device(model: torch.nn.Module, *tensors: torch.Tensor) -> tuple[tor
 
 
 def pad_stack(tensors: list[torch.Tensor], fill: int | float | bool) -> torch.Tensor:
+    """Tensors [L_i, ...] of one dtype -> [B, max L_i, ...], each padded at the end with `fill`. Raises ValueError
+    for an empty list."""
+    if not tensors:
+        raise ValueError("pad_stack: no tensors to stack")
     longest = max(t.shape[0] for t in tensors)
     out = torch.full((len(tensors), longest, *tensors[0].shape[1:]), fill, dtype=tensors[0].dtype)
     for i, tensor in enumerate(tensors):

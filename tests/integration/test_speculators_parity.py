@@ -148,7 +148,7 @@ def test_block_drafter_logits_match(algorithm, tmp_path, family, monkeypatch):
     theirs = _theirs(folder)
     num_aux = len(ours.spec.aux_layer_ids)
     aux, ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, num_aux, seed=3)
-    anchors = sample_anchors(torch.ones(LENGTH, dtype=torch.long), ours.block_size, 1, 4,
+    anchors = sample_anchors(torch.ones(LENGTH, dtype=torch.long), 1, 4,
                              torch.Generator().manual_seed(0))
     anchors = anchors[anchors + ours.block_size <= LENGTH]  # speculators keeps blocks inside the sequence
     monkeypatch.setattr(dflash_core, "select_anchors",
@@ -190,7 +190,7 @@ def test_dflash2_unary_logits_and_selector_scores_match(tmp_path, family, monkey
     theirs = _theirs(folder)
     assert type(theirs).__name__ == "DFlash2DraftModel"
     aux, ids, last = _inputs(ours.spec.hidden_size, ours.spec.vocab_size, len(ours.spec.aux_layer_ids), seed=4)
-    anchors = sample_anchors(torch.ones(LENGTH, dtype=torch.long), ours.block_size, 1, 4,
+    anchors = sample_anchors(torch.ones(LENGTH, dtype=torch.long), 1, 4,
                              torch.Generator().manual_seed(0))
     anchors = anchors[anchors + ours.block_size <= LENGTH]
     monkeypatch.setattr(dflash_core, "select_anchors",

@@ -34,6 +34,16 @@ def test_draft_shape_and_target_ids(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("count", [0, -1])
+def test_a_draft_count_below_one_is_refused(algorithm, count):
+    """A slice by 0 or -1 drafts would quietly return no drafts or all but the last."""
+    model = tiny_drafter(algorithm)
+    aux, next_ids = _context(9, 1)
+    with pytest.raises(ValueError, match=rf"draft: num_speculative_tokens must be >= 1, got {count}"):
+        model.draft(aux, next_ids, count)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_loss_positions_all_trains_the_prompt_positions_too(algorithm):
     """training.loss_positions=all: every drafter reads the widened mask, so its loss covers more draft targets
     (the prompt's) than the stored assistant-only mask gives; `response` leaves the samples as stored."""
@@ -206,7 +216,7 @@ def _brute_force_block_mask(context_length, anchors, block_size, causal):
 def test_block_mask_matches_brute_force(causal, seed):
     generator = torch.Generator().manual_seed(seed)
     loss_mask = (torch.rand(14, generator=generator) < 0.8).long()
-    anchors = sample_anchors(loss_mask, 4, 1, 3, generator)
+    anchors = sample_anchors(loss_mask, 1, 3, generator)
     got = block_attention_allowed(14, anchors[None], torch.ones(1, len(anchors), dtype=torch.bool), 4, causal)[0]
     assert torch.equal(got, _brute_force_block_mask(14, anchors.tolist(), 4, causal))
 
@@ -227,7 +237,7 @@ def test_causal_block_option_makes_slots_blind_to_later_slots():
 
 def test_anchors_are_sorted_inside_the_response_and_capped():
     loss_mask = torch.tensor([0] * 10 + [1] * 30)
-    anchors = sample_anchors(loss_mask, 5, 1, 8, torch.Generator().manual_seed(0))
+    anchors = sample_anchors(loss_mask, 1, 8, torch.Generator().manual_seed(0))
     assert anchors.numel() == 8 and torch.equal(anchors, anchors.sort().values)
     assert (loss_mask[anchors + 1] == 1).all() and (anchors >= 1).all()
     assert torch.allclose(position_decay(3, 2.0), torch.tensor([1.0, 0.6065, 0.3679]), atol=1e-4)

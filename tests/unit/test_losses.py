@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.losses.blockwise import DraftHead, blockwise_soft_cross_entropy
-from pipeline.losses.distill import distill_hidden_rows, distill_rows, soft_cross_entropy
+from pipeline.losses.distill import distill_hidden_rows, distill_rows, pad_stack, soft_cross_entropy, teacher_targets
 
 
 def _problem(rows=37, teachers=11, hidden=16, vocab=300, seed=0):
@@ -136,3 +136,16 @@ def test_the_argmax_target_is_cross_entropy_on_the_verifiers_greedy_draft_token(
     assert torch.allclose(got, expected, atol=1e-5)
     soft = distill_hidden_rows(model, student, teacher_full, depths, row_weights, teacher_rows)[0]
     assert not torch.allclose(soft, expected, atol=1e-3)  # the default distils the whole distribution
+
+
+@pytest.mark.parametrize("target", ["ARGMAX", "hard", ""])
+def test_an_unknown_distill_target_is_refused_not_read_as_the_distribution(target):
+    with pytest.raises(ValueError, match=rf"distill target: '{target}' is not one of \('distribution', 'argmax'\)"):
+        teacher_targets(torch.randn(3, 5), target)
+
+
+def test_pad_stack_pads_at_the_end_and_refuses_nothing_to_stack():
+    stacked = pad_stack([torch.tensor([1, 2, 3]), torch.tensor([4])], -1)
+    assert stacked.tolist() == [[1, 2, 3], [4, -1, -1]]
+    with pytest.raises(ValueError, match="pad_stack: no tensors to stack"):
+        pad_stack([], 0)

@@ -13,10 +13,12 @@ import math
 import torch
 
 
-def sample_anchors(loss_mask: torch.Tensor, block_size: int, first_target_offset: int, max_anchors: int | None,
+def sample_anchors(loss_mask: torch.Tensor, first_target_offset: int, max_anchors: int | None,
                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sorted random anchors of one sequence (sequence-length sparsification): positions p >= 1 whose first
-    drafted token p + first_target_offset is an assistant token inside the sequence."""
+    """Sorted random anchors of one sequence (sequence-length sparsification): [N] int64 positions p >= 1 whose
+    first drafted token p + first_target_offset lies inside the sequence and carries the loss (loss_mask [T] is 1
+    there: an assistant token, or any token under training.loss_positions=all), at most max_anchors of them (None:
+    all), drawn with `generator`."""
     length = int(loss_mask.shape[0])
     positions = torch.arange(1, max(length - first_target_offset, 1))
     positions = positions[loss_mask[positions + first_target_offset].bool()] if positions.numel() else positions

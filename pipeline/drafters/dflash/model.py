@@ -221,7 +221,9 @@ class DFlashDrafter(DrafterBase):
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
         """Greedy drafts for one sequence in one forward: [min(num_speculative_tokens, K)] int64 target ids (the
         verifier's vocabulary; d2t applied), on the drafter's device. aux_hidden [1, T, A*H] and next_ids [1, T] as
-        block_after_context takes them; K = spec.num_speculative_tokens caps the count. No gradient."""
+        block_after_context takes them; K = spec.num_speculative_tokens caps the count (ValueError below 1). No
+        gradient."""
+        self.check_draft_count(num_speculative_tokens)
         hidden = self.block_after_context(aux_hidden, next_ids)
         return self.to_target_ids(self.draft_logits(hidden).argmax(dim=-1))[:num_speculative_tokens]
 
@@ -246,14 +248,15 @@ def _row_weights(options: DFlashConfig, block_of_row: torch.Tensor, draft_of_row
 
 def block_loss(model: DFlashDrafter, samples: list[dict[str, torch.Tensor]], options: DFlashConfig,
                generator: torch.Generator | None = None):
-    """Position-decayed distillation over at most options.max_anchors random anchor blocks per sample.
+    """Distillation over at most options.max_anchors random anchor blocks per sample, each draft's row weighted by
+    options.position_weighting (D-PACE or exp(-j / loss_decay_gamma): _row_weights).
 
     Returns (loss, correct [K], total [K], extras) where extras carries what DSpark's and DFlash2's heads need:
     each trained row's hidden state [M, H], previous token, weight, acceptance, draft index j and the verifier's
     greedy token.
     """
     num_speculative_tokens, bs = model.spec.num_speculative_tokens, model.block_size
-    anchor_lists = [sample_anchors(s["loss_mask"], bs, 1, options.max_anchors, generator) for s in samples]
+    anchor_lists = [sample_anchors(s["loss_mask"], 1, options.max_anchors, generator) for s in samples]
     if all(a.numel() == 0 for a in anchor_lists):
         zero = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
         zeros = torch.zeros(num_speculative_tokens, dtype=torch.long, device=zero.device)

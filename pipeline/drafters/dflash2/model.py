@@ -163,6 +163,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        self.check_draft_count(num_speculative_tokens)
         hidden = self.block_after_context(aux_hidden, next_ids)[self.first_draft_slot:][:num_speculative_tokens]
         candidates = self.unary_top_k(hidden)  # [K, C]
         previous = next_ids[0, -1:]  # the anchor token precedes the first draft

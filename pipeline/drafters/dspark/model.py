@@ -112,7 +112,9 @@ class DSparkDrafter(DFlashDrafter):
         aux_hidden: [1, T, A*H] float (the drafter's dtype), next_ids: [1, T] int64 (next_ids[0, t] = token t + 1),
         as block_after_context takes them. Returns drafts [K'] int64 target ids and confidences [K'] in (0, 1), in
         the drafter's dtype, both on its device, K' = min(num_speculative_tokens, spec.num_speculative_tokens).
-        Nothing is truncated here (`draft` does). Other shapes raise RuntimeError. No gradient."""
+        Nothing is truncated here (`draft` does). Other shapes raise RuntimeError, a count below 1 ValueError. No
+        gradient."""
+        self.check_draft_count(num_speculative_tokens)
         hidden = self.block_after_context(aux_hidden, next_ids)
         base = self.draft_logits(hidden)[:num_speculative_tokens]  # [K, Vd]
         previous = next_ids[0, -1]

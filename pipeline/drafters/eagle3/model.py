@@ -108,6 +108,7 @@ class Eagle3Drafter(EagleFamilyDrafter):
         once; each draft's row attends to them through the cache, as in training."""
         from transformers import DynamicCache
 
+        self.check_draft_count(num_speculative_tokens)
         context = aux_hidden.shape[1]
         device = aux_hidden.device
         cache = DynamicCache()

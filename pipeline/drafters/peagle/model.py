@@ -62,6 +62,7 @@ class PEagleDrafter(EagleFamilyDrafter):
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
         """Greedy drafts for one sequence: aux_hidden [1, T, A*H], next_ids [1, T] -> [K] target ids."""
+        self.check_draft_count(num_speculative_tokens)
         anchors, depths = inference_rows(aux_hidden.shape[1], num_speculative_tokens)
         anchors, depths = anchors[None].to(aux_hidden.device), depths[None].to(aux_hidden.device)
         valid = torch.ones_like(anchors, dtype=torch.bool)
