@@ -17,7 +17,7 @@ from pipeline.locks import stage_lock
 from pipeline.logs import setup_job_logging
 from pipeline.stages import STAGES
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, check_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     from pipeline.families import check_verifier_family
 
     validate(cfg)
+    check_tracking_uri(cfg)  # at once, like the config: the verifier's checks below may convert or fetch it first
     ctx = Context.create(cfg, track=False)
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)

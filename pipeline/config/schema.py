@@ -266,8 +266,6 @@ class DrafterConfig:
 
         require(self.num_speculative_tokens >= 1, "drafter.num_speculative_tokens: must be >= 1")
         require(self.num_layers >= 1, "drafter.num_layers: must be >= 1")
-        require(self.aux_layer_ids is None or len(self.aux_layer_ids) >= 1,
-                "drafter.aux_layer_ids: an empty list fuses no verifier layer (null: the drafter's default layers)")
         require(self.max_anchors is None or self.max_anchors >= 1, "drafter.max_anchors: must be >= 1")
         require(self.draft_vocab_size is None or self.draft_vocab_size >= 2,
                 "drafter.draft_vocab_size: must be >= 2 (or null for the full vocabulary)")

@@ -110,6 +110,18 @@ def check_sqlite_file(uri: str, field: str) -> None:
         raise PipelineError(f"{field}: '{uri}' names '{path}', which is {kind}, not an SQLite database file")
 
 
+def check_tracking_uri(cfg: DictConfig) -> None:
+    """The tracking URI's own checks that create nothing (credentials in it, a server that does not answer, an
+    SQLite path that is not a file), for a job to run before its slower input checks; MLflow's refusals (a file
+    store, an unknown scheme, a missing driver) come when the Tracker opens the store. Raises PipelineError naming
+    tracking.tracking_uri or MLFLOW_TRACKING_URI. The default local store has nothing to check yet."""
+    if not (cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        return
+    uri, field = tracking_uri(cfg), tracking_uri_field(cfg)
+    check_server_reachable(uri, field)
+    check_sqlite_file(uri, field)
+
+
 def _root_cause(error: BaseException) -> str:
     """The innermost cause's message (requests wraps urllib3's error, which wraps the socket's)."""
     while error.__cause__ is not None or error.__context__ is not None:

@@ -286,6 +286,18 @@ def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, mess
     assert re.fullmatch(r"error: MLFLOW_TRACKING_URI: " + message + ".*", _error_line(capsys))
 
 
+def test_a_tracking_server_that_does_not_answer_is_named_before_the_verifier_is_read(tmp_path, capsys, monkeypatch):
+    """The URI's own probes run with the config's checks, ahead of the verifier's (which may convert or fetch it),
+    while the store itself is created only after every input check passed."""
+    for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    cfg = compose([f"paths.root={tmp_path}", "tracking.tracking_uri=http://127.0.0.1:1", "verifier=hf",
+                   f"verifier.path={tmp_path / 'no_such_verifier'}"])
+    assert run_job(cfg, "pipeline") == 2
+    assert _error_line(capsys).startswith("error: tracking.tracking_uri: no MLflow server answers")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_tracking_server_that_accepts_but_never_answers_is_named_after_the_probes_timeout(monkeypatch):
     """A port that takes connections and never answers (a dead backend behind a forward) would hold MLflow for its
     request timeout times its retries."""

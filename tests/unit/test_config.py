@@ -82,7 +82,6 @@ def test_wrong_type_is_refused_naming_the_field():
     ("evaluation.num_speculative_tokens=9", "evaluation.num_speculative_tokens"),
     ("stages=[prompts,bake]", "stages"),
     ("stages=[]", "stages"),  # a job that runs nothing would report success
-    ("drafter.aux_layer_ids=[]", "drafter.aux_layer_ids"),  # not the default layers: null says that
     ("training.autocast_dtype=fp8", "training.autocast_dtype"),
     ("training.val_samples=-1", "training.val_samples"),
     ("deepspeed.offload_params=true", "deepspeed.offload_params"),
@@ -188,6 +187,10 @@ def test_an_eval_sets_definition_is_checked_against_the_schema_naming_its_key(de
     # each weighting's knob under the other weighting: ignored, it would still key a new run of the same drafter
     (["drafter=dflash", "drafter.loss_decay_gamma=3"], "drafter.loss_decay_gamma"),
     (["drafter=dflash", "drafter.position_weighting=decay", "drafter.dpace_alpha=0.3"], "drafter.dpace_alpha"),
+    # the weighting these drafters refuse is named, not the knob DFlash's checks would read under it
+    (["drafter=dspark", "drafter.position_weighting=dpace", "drafter.loss_decay_gamma=4"],
+     "drafter.position_weighting"),
+    (["drafter=dflash2", "drafter.position_weighting=dpace", "drafter.dpace_alpha=0.1"], "drafter.position_weighting"),
 ])
 def test_block_loss_choices_are_refused_by_name_where_they_do_not_apply(overrides, field):
     validate(compose(["drafter=dflash"]))  # the distribution with D-PACE weights is the default

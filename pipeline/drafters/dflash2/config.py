@@ -27,10 +27,11 @@ class DFlash2Config(DFlashConfig):
         weighs rows by the fixed position decay."""
         from pipeline.errors import require
 
+        # First: DFlash's checks would otherwise judge a dpace knob as if dpace were this drafter's.
+        require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dflash2's")
         super().validate()
         require(self.draft_vocab_size is None,
                 "drafter.draft_vocab_size: DFlash2 needs the verifier's full vocabulary (null)")
-        require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dflash2's")
         require(1 <= self.conv_kernel_size <= self.num_speculative_tokens + 1,
                 "drafter.conv_kernel_size: must be in [1, num_speculative_tokens + 1] (the block size)")
         require(self.conv_group_size >= 1, "drafter.conv_group_size: must be >= 1")

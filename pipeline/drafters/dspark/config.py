@@ -21,7 +21,8 @@ class DSparkConfig(DFlashConfig):
         """D-PACE is DFlash's: DSpark's Markov bias takes its gradient from fixed position weights."""
         from pipeline.errors import require
 
+        # First: DFlash's checks would otherwise judge a dpace knob as if dpace were this drafter's.
+        require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dspark's")
         super().validate()
         require(self.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
         require(self.confidence_loss_weight >= 0, "drafter.confidence_loss_weight: must be >= 0")
-        require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dspark's")
