@@ -139,7 +139,8 @@ def _auto_precision(cfg: DictConfig) -> str:
 def _training_settings(cfg: DictConfig) -> dict:
     """cfg.training's result settings, with autocast `auto` as the precision it resolves to here; how val.tau
     decodes counts only when val.tau picks the final checkpoint (otherwise it is only logged: training draws its
-    anchors and order from its own seeded generators)."""
+    anchors and order from its own seeded generators). Settings the run's optimizer does not read (Muon's under
+    AdamW, grad_clip under DeepSpeed's Muon) are keyed at their defaults: another value resumes the same run."""
     training = result_settings(cfg.training, TrainingConfig)
     if training.get("autocast_dtype") == "auto":
         training["autocast_dtype"] = f"auto:{_auto_precision(cfg)}"
@@ -148,6 +149,11 @@ def _training_settings(cfg: DictConfig) -> dict:
         training.pop("val_tau_max_new_tokens", None)
     if cfg.training.val_samples == 0:  # no validation, so no pick among checkpoints: the last step's weights are final
         training["checkpoint_every"] = TrainingConfig.checkpoint_every
+    if cfg.training.optimizer != "muon":  # AdamW alone: nothing reads Muon's settings
+        for name in ("muon_lr", "muon_momentum", "muon_weight_decay"):
+            training[name] = getattr(TrainingConfig, name)
+    elif cfg.deepspeed.enabled:  # DeepSpeed's Muon steps unclipped (pipeline/training/optim.py: deepspeed_grad_clip)
+        training["grad_clip"] = TrainingConfig.grad_clip
     return training
 
 

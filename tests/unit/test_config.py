@@ -228,6 +228,21 @@ def test_a_setting_that_changes_no_result_keeps_the_run_so_training_resumes_it(o
             == [base.prompts, base.regenerated, base.store, base.train, base.evaluation])
 
 
+@pytest.mark.parametrize("mode, unread, read", [
+    (["training.optimizer=adamw"], "training.muon_lr=0.05", ["training.optimizer=muon"]),
+    (["training.optimizer=adamw"], "training.muon_weight_decay=0.3", ["training.optimizer=muon"]),
+    (["training.optimizer=adamw"], "training.muon_momentum=0.9", ["training.optimizer=muon"]),
+    (["training.optimizer=muon"], "training.grad_clip=0.5", ["training.optimizer=muon", "deepspeed.enabled=false"]),
+])
+def test_a_setting_the_runs_optimizer_does_not_read_keeps_the_run(mode, unread, read):
+    """Muon's settings under AdamW, and the clip under DeepSpeed's Muon (which steps unclipped), change nothing the
+    run trains: the same train folder, so the run resumes; where they are read they key a new run."""
+    from pipeline.paths import StagePaths
+
+    assert StagePaths(compose([*mode, unread])).train == StagePaths(compose(mode)).train
+    assert StagePaths(compose([*read, unread])).train != StagePaths(compose(read)).train
+
+
 def test_the_run_settings_above_are_every_one_the_schema_marks():
     from dataclasses import fields
 
