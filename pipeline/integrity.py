@@ -58,15 +58,22 @@ def seal(folder: Path, rank: int = 0, world_size: int = 1) -> Path:
     return record
 
 
+def _is_entry(entry: object) -> bool:
+    """One file's line of a record: {"bytes": int, "sha256": str}."""
+    return (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+            and isinstance(entry.get("sha256"), str))
+
+
 def _records(folder: Path) -> list[dict]:
     records = []
     for path in sorted(folder.glob(f"{RECORD_PREFIX}*.json")):
         try:
             record = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             record = None
         if not (isinstance(record, dict) and isinstance(record.get("files"), dict)
-                and isinstance(record.get("world_size"), int) and isinstance(record.get("rank"), int)):
+                and isinstance(record.get("world_size"), int) and isinstance(record.get("rank"), int)
+                and all(_is_entry(entry) for entry in record["files"].values())):
             raise PipelineError(f"integrity: '{path}' is not a readable integrity record")
         records.append(record)
     return records

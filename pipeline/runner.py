@@ -120,6 +120,25 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
             raise
         print(f"error: {config_error_line(error, sys.argv[1:])}", file=sys.stderr)
         sys.exit(2)
+    except OSError as error:
+        if not _raised_making_hydras_run_folder(error):
+            raise
+        # Hydra makes its run folder (under paths.root) before the job starts: a root that is a file or unwritable
+        print(f"error: paths.root: cannot create Hydra's run folder '{error.filename}': {error.strerror or error}",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+def _raised_making_hydras_run_folder(error: OSError) -> bool:
+    """Whether `error` came from Hydra's own mkdir of the job's run folder (hydra.core.utils.run_job), before any
+    job code ran, rather than from the job."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    for index, frame in enumerate(frames):
+        if frame.name == "run_job" and frame.filename.replace("\\", "/").endswith("hydra/core/utils.py"):
+            return all(later.filename.endswith("pathlib.py") for later in frames[index + 1:])
+    return False
 
 
 def run_job(cfg: DictConfig, job: str) -> int:

@@ -73,7 +73,8 @@ def _check_numbers(resolved: dict) -> None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
 
-    walk(resolved, "")
+    # cluster first: cluster.mlflow_uri interpolates into tracking.tracking_uri, and the message names where it is set
+    walk({"cluster": resolved.get("cluster"), **resolved}, "")
 
 
 def _resolved(cfg: DictConfig) -> dict:
@@ -122,7 +123,7 @@ def validate(cfg: DictConfig) -> None:
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
-    _validate_no_credentials(cfg)
+    _validate_no_credentials(resolved)
     _validate_serving(cfg.serving)
     _validate_generation_parallelism(cfg.generation)
     _validate_cluster_shape(cfg)
@@ -234,16 +235,26 @@ def _validate_optimizer(training: DictConfig) -> None:
     _require(training.muon_momentum < 1, "training.muon_momentum: must be < 1")
 
 
-def _validate_no_credentials(cfg: DictConfig) -> None:
-    """Every URI the config holds reaches MLflow params, the Serve config or a manifest: none may carry a secret."""
+def _validate_no_credentials(resolved: dict) -> None:
+    """Every value the config holds reaches MLflow params, and its URIs the Serve config, a manifest or a log line:
+    none may carry a secret (a user or password in a URI, a password or token in its query), whichever field holds
+    it (tracking, cluster.address, a data or eval-set path, ...)."""
     import os
 
     from pipeline.tracking import refuse_credentials
 
-    for field in ("cluster.mlflow_uri", "tracking.tracking_uri"):  # the first interpolates into the second
-        value = OmegaConf.select(cfg, field)
-        if value:
-            refuse_credentials(str(value), field)
+    def walk(value: Any, field: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{field}.{key}" if field else str(key))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, f"{field}[{index}]")
+        elif isinstance(value, str) and "://" in value:
+            refuse_credentials(value, field)
+
+    # cluster first: cluster.mlflow_uri interpolates into tracking.tracking_uri, and the message names where it is set
+    walk({"cluster": resolved.get("cluster"), **resolved}, "")
     if os.environ.get("MLFLOW_TRACKING_URI"):
         refuse_credentials(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI")
 

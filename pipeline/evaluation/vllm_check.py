@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from pipeline.context import Context
 from pipeline.drafters import drafter_class
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, read_json
 from pipeline.evaluation import gate
 from pipeline.families import load_verifier_config, vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
@@ -118,9 +118,15 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
 
 
 def load_result(folder: Path) -> dict:
-    """An earlier job's cross-check of this evaluation, or {} when there is none."""
+    """An earlier job's cross-check of this evaluation, or {} when there is none. A damaged one is a PipelineError
+    naming the file (read_json), like every file the pipeline reads back."""
     path = folder / RESULT_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    result = read_json(path, "vllm_eval")
+    if not isinstance(result, dict):
+        raise PipelineError(f"vllm_eval: '{path}' holds {type(result).__name__}, not the cross-check's object")
+    return result
 
 
 def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> dict:

@@ -42,7 +42,11 @@ def _check_regenerated_tokenizer(ctx: Context, fingerprint: str) -> None:
     info_path = ctx.paths.regenerated / REGENERATION_INFO
     if not info_path.is_file():
         return
-    made_with = read_json(info_path, "capture").get("tokenizer_fingerprint")
+    info = read_json(info_path, "capture")
+    if not isinstance(info, dict):
+        raise PipelineError(f"capture: '{info_path}' holds {type(info).__name__}, not the regeneration's record; "
+                            "delete the regenerated set and regenerate")
+    made_with = info.get("tokenizer_fingerprint")
     if made_with and made_with != fingerprint:
         raise PipelineError(
             f"capture: the regenerated set {ctx.paths.regenerated} was tokenized with a different tokenizer "

@@ -6,6 +6,7 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -27,22 +28,36 @@ EXPERIMENT_KIND = "custom_model_development"
 SEPARATOR = " · "
 
 
+# Query parameters that carry a secret (libpq's and SQLAlchemy's `password`, tokens, keys of object stores).
+SECRET_QUERY_KEY = re.compile(r"^pass(word|wd)?$|^pwd$|token|secret|api[_-]?key|access[_-]?key|signature",
+                              re.IGNORECASE)
+
+
 def refuse_credentials(uri: str, source: str) -> None:
-    """A URI with a user or password (`https://user:secret@host`) would carry the secret into MLflow params, the
-    Serve config and the RayService manifest; MLflow reads credentials from MLFLOW_TRACKING_USERNAME /
-    MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead. The message shows the URI without them."""
-    from urllib.parse import urlsplit
+    """A URI with a user or password (`https://user:secret@host`) or a secret query parameter (`?password=...`,
+    SECRET_QUERY_KEY) would carry the secret into MLflow params, the Serve config and the RayService manifest; MLflow
+    reads credentials from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead.
+    Raises PipelineError naming `source`; the message shows the URI without them."""
+    from urllib.parse import parse_qsl, urlsplit
 
     try:
         parts = urlsplit(uri)
+        query = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:
         return
-    if parts.username is None and parts.password is None:
+    secret_query = [name for name, _ in query if SECRET_QUERY_KEY.search(name)]
+    if parts.username is None and parts.password is None and not secret_query:
         return
-    shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1]).geturl()
-    raise PipelineError(f"{source}: '{shown}' carries credentials; put them in MLFLOW_TRACKING_USERNAME and "
-                        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead, so they never reach params, "
-                        "logs or manifests")
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[-1] if "@" in parts.netloc else parts.netloc
+    shown_query = "&".join(f"{name}={'***' if name in secret_query else value}" for name, value in query)
+    # geturl() would drop the empty authority of `scheme:///path?...` (one slash fewer): rebuild only what changes
+    shown = (parts._replace(netloc=netloc, query=shown_query).geturl() if parts.netloc
+             else f"{uri.split('?', 1)[0]}?{shown_query}")
+    advice = ("put them in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
+              if "tracking" in source.lower() or "mlflow" in source.lower()
+              else "give them to the service through its environment or credential file instead")
+    raise PipelineError(f"{source}: '{shown}' carries credentials; {advice}, so they never reach params, logs or "
+                        "manifests")
 
 
 def refuse_links(path: Path) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from pipeline.data.store import load_manifest
 from pipeline.errors import PipelineError
 from pipeline.runner import run_job
 from tests.conftest import tiny_overrides, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
 
 # (name, the file's bytes, what the one line must say)
 PROMPT_FILES = [
@@ -232,6 +236,11 @@ CREDENTIAL_URIS = [
     ("tracking.tracking_uri", "https://hunter2@mlflow.example.com"),
     ("tracking.tracking_uri", "postgresql://mlflow:hunter2@db:5432/mlflow"),
     ("cluster.mlflow_uri", "http://alice:hunter2@mlflow:5000"),
+    # a password in the query (libpq and SQLAlchemy read it there), and any field that holds a URI
+    ("tracking.tracking_uri", "'postgresql:///mlflow?host=127.0.0.1&user=mlflow&password=hunter2'"),
+    ("tracking.tracking_uri", "'https://mlflow.example.com/?token=hunter2'"),
+    ("cluster.address", "ray://alice:hunter2@head:10001"),
+    ("data.path", "'https://example.com/prompts.jsonl?X-Amz-Signature=hunter2'"),
 ]
 
 
@@ -241,6 +250,25 @@ def test_a_uri_with_credentials_is_refused_without_echoing_them(field, uri, tmp_
     err = capsys.readouterr().err
     assert "hunter2" not in err and "alice" not in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"error: {field}: '") and "carries credentials" in err
+
+
+def test_a_refused_secret_on_the_command_line_is_written_nowhere(tmp_path):
+    """Hydra writes no copy of the composed config (hydra.output_subdir: null): it would do so before any check, so a
+    refused secret would still land under paths.root."""
+    result = subprocess.run([sys.executable, "jobs/train.py", f"paths.root={tmp_path}",
+                             "tracking.tracking_uri=https://alice:hunter2@mlflow.example.com"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "hunter2" not in result.stderr + result.stdout
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and "hunter2" in p.read_text(errors="replace")] == []
+
+
+def test_a_paths_root_hydra_cannot_make_its_run_folder_under_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    result = subprocess.run([sys.executable, "jobs/train.py", f"paths.root={tmp_path / 'a_file'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert re.fullmatch(r"error: paths\.root: cannot create Hydra's run folder '.*/a_file/hydra/.*': Not a directory",
+                        result.stderr.strip().splitlines()[-1])
 
 
 def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path, capsys, monkeypatch):

@@ -93,3 +93,26 @@ def test_resume_from_a_folder_whose_spec_is_not_a_drafter_spec_is_one_line(tmp_p
     (tmp_path / STATE_FILE).write_text("{}")
     with pytest.raises(PipelineError, match=r"^training\.resume_from: "):
         read_resume_point(tmp_path, DrafterSpec.__new__(DrafterSpec))
+
+
+@pytest.mark.parametrize("content", ['{"tau": 1.', "[]", "null"], ids=["truncated", "a list", "null"])
+def test_a_damaged_vllm_cross_check_is_one_line_naming_the_file(tmp_path, content):
+    from pipeline.evaluation.vllm_check import RESULT_FILE, load_result
+
+    assert load_result(tmp_path) == {}  # none yet
+    (tmp_path / RESULT_FILE).write_text(content)
+    with pytest.raises(PipelineError, match=rf"^vllm_eval: '{tmp_path / RESULT_FILE}' (is not readable JSON|holds)"):
+        load_result(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["[]", '"abc"', "null"])
+def test_a_regeneration_record_that_is_not_an_object_is_one_line_naming_the_file(tmp_path, content):
+    from types import SimpleNamespace
+
+    from pipeline.generation.capture_stage import _check_regenerated_tokenizer
+    from pipeline.generation.regenerate_stage import REGENERATION_INFO
+
+    (tmp_path / REGENERATION_INFO).write_text(content)
+    ctx = SimpleNamespace(paths=SimpleNamespace(regenerated=tmp_path))
+    with pytest.raises(PipelineError, match=rf"^capture: '{tmp_path / REGENERATION_INFO}' holds \w+, not the "):
+        _check_regenerated_tokenizer(ctx, "fingerprint")

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.checkpoint import STATE_FILE, WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from pipeline.errors import PipelineError
-from pipeline.integrity import seal, verify
+from pipeline.integrity import is_intact, seal, verify
 from pipeline.training.resume import latest_complete_checkpoint, read_resume_point
 from tests.unit.tiny_drafters import tiny_drafter
 
@@ -61,6 +61,13 @@ def _drop_field(path, field):
     path.write_text(json.dumps(record))
 
 
+def _set_entries(path, entry):
+    """Every file's line of the record replaced by `entry` (a damaged record: not {bytes, sha256})."""
+    record = json.loads(path.read_text())
+    record["files"] = {name: entry for name in record["files"]}
+    path.write_text(json.dumps(record))
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: _flip_last_byte(f / OPTIMIZER_PICKLE), "does not match the sha256 it was written with"),
     (lambda f: os.truncate(f / WEIGHTS_FILE, 100), "bytes, .* were written \\(truncated\\)"),
@@ -73,11 +80,14 @@ def _drop_field(path, field):
      "is a link or not a file"),
     (lambda f: (f / "integrity-rank0.json").write_text("{"), "is not a readable integrity record"),
     (lambda f: _drop_field(f / "integrity-rank1.json", "rank"), "rank1.json' is not a readable integrity record"),
+    (lambda f: _set_entries(f / "integrity-rank0.json", 3), "rank0.json' is not a readable integrity record"),
+    (lambda f: _set_entries(f / "integrity-rank0.json", {"bytes": 3}), "rank0.json' is not a readable integrity"),
     (lambda f: [p.unlink() for p in f.glob("integrity-rank*.json")], "has no integrity record"),
 ])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(damage, message, tmp_path):
     folder = checkpoint(tmp_path / "c")
     damage(folder)
+    assert not is_intact(folder)  # what the resume scan asks: a damaged record is no checkpoint, not a traceback
     with pytest.raises(PipelineError, match=message):
         verify(folder)
     with pytest.raises(PipelineError, match=message):
