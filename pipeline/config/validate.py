@@ -73,8 +73,7 @@ def _check_numbers(resolved: dict) -> None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
 
-    # cluster first: cluster.mlflow_uri interpolates into tracking.tracking_uri, and the message names where it is set
-    walk({"cluster": resolved.get("cluster"), **resolved}, "")
+    walk(resolved, "")
 
 
 def _resolved(cfg: DictConfig) -> dict:
