@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -55,25 +55,30 @@ UNCHECKED_NUMBERS = ("deepspeed.extra", "serving.engine_kwargs", "serving.autosc
                      "drafter.mask_token_id", "drafter.aux_layer_ids")
 
 
+def _leaves(value: Any, name: str = "", skip: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """(dotted field name, value) of every scalar in a resolved config: groups, nested settings, lists (`x[i]`) and
+    plain dicts, leaving out the fields named in `skip` and everything under them."""
+    if name in skip:
+        return
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield from _leaves(child, f"{name}.{key}" if name else str(key), skip)
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            yield from _leaves(child, f"{name}[{index}]", skip)
+    else:
+        yield name, value
+
+
 def _check_numbers(resolved: dict) -> None:
     """Every number in the config counts, sizes, rates, seeds, ports or weights something: none is negative, NaN or
     infinite (a NaN slips through every `x <= 0` check). Walks the resolved config's groups, nested settings, lists
     and plain dicts (`${oc.env:SEED}` as it resolves). Raises PipelineError naming the first such field."""
     import math
 
-    def walk(value: Any, name: str) -> None:
-        if name in UNCHECKED_NUMBERS:
-            return
-        if isinstance(value, dict):
-            for key, child in value.items():
-                walk(child, f"{name}.{key}" if name else str(key))
-        elif isinstance(value, list):
-            for index, child in enumerate(value):
-                walk(child, f"{name}[{index}]")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    for name, value in _leaves(resolved, skip=UNCHECKED_NUMBERS):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
-
-    walk(resolved, "")
 
 
 def _resolved(cfg: DictConfig) -> dict:
@@ -242,18 +247,10 @@ def _validate_no_credentials(resolved: dict) -> None:
 
     from pipeline.tracking import refuse_credentials
 
-    def walk(value: Any, field: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{field}.{key}" if field else str(key))
-        elif isinstance(value, list):
-            for index, item in enumerate(value):
-                walk(item, f"{field}[{index}]")
-        elif isinstance(value, str) and "://" in value:
-            refuse_credentials(value, field)
-
     # cluster first: cluster.mlflow_uri interpolates into tracking.tracking_uri, and the message names where it is set
-    walk({"cluster": resolved.get("cluster"), **resolved}, "")
+    for field, value in _leaves({"cluster": resolved.get("cluster"), **resolved}):
+        if isinstance(value, str) and "://" in value:
+            refuse_credentials(value, field)
     if os.environ.get("MLFLOW_TRACKING_URI"):
         refuse_credentials(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI")
 
