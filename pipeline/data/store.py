@@ -194,8 +194,39 @@ def _check_manifest(manifest: Any, path: Path) -> None:
                 f"'{field}.sha256' must be a sha256 hex digest")
         require(isinstance(shard.get("sample_ids"), list) and all(isinstance(i, str) for i in shard["sample_ids"]),
                 f"'{field}.sample_ids' must be a list of sample ids")
-        require(isinstance(shard.get("num_tokens"), int) and shard["num_tokens"] >= 0,
-                f"'{field}.num_tokens' must be a token count")
+        require(_is_count(shard.get("num_tokens")), f"'{field}.num_tokens' must be a token count")
+    for name in ("num_samples", "num_tokens", "bytes"):  # write_manifest's totals, which readers print and log
+        require(_is_count(manifest.get(name)), f"'{name}' must be a count, got {manifest.get(name)!r}")
+    listed = sum(len(shard["sample_ids"]) for shard in manifest["shards"])
+    require(manifest["num_samples"] == listed, f"'num_samples' is {manifest['num_samples']} but the shards list "
+                                               f"{listed} samples")
+    listed = sum(shard["num_tokens"] for shard in manifest["shards"])
+    require(manifest["num_tokens"] == listed, f"'num_tokens' is {manifest['num_tokens']} but the shards hold "
+                                              f"{listed} tokens")
+    for name, (is_valid, kind) in OPTIONAL_MANIFEST_FIELDS.items():  # stores written by older code may lack them
+        require(name not in manifest or is_valid(manifest[name]),
+                f"'{name}' must be {kind}, got {manifest.get(name)!r}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_positive(value: Any) -> bool:
+    return _is_count(value) and value > 0
+
+
+# Fields the capture stage writes that hand-made or older stores may lack; where present, readers compare them with
+# their own values, so a wrong type would surface as a TypeError far from the file.
+OPTIONAL_MANIFEST_FIELDS = {
+    "format_version": (_is_positive, "a positive whole number"),
+    "hidden_size": (_is_positive, "a positive whole number"),
+    "num_verifier_layers": (_is_positive, "a positive whole number"),
+    "projected_bytes": (_is_count, "a count"),
+    "tokenizer_fingerprint": (lambda value: isinstance(value, str), "a string"),
+    "compression": (lambda value: isinstance(value, str), "a string"),
+    "dtype": (lambda value: isinstance(value, str), "a string"),
+}
 
 
 def write_manifest(store_dir: Path, shards: list[dict], info: dict) -> dict:

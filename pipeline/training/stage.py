@@ -45,6 +45,14 @@ def _check_store_matches_verifier(ctx: Context, manifest: dict, verifier_config,
     if manifest.get("hidden_size") not in (None, int(verifier_config.hidden_size)):
         raise PipelineError(f"train: the store {ctx.paths.store} holds hidden size {manifest['hidden_size']}, "
                             f"verifier '{ctx.cfg.verifier.name}' has {verifier_config.hidden_size}")
+    # The drafter reads the last layer's states under this number, so a store without it cannot train one.
+    layers = manifest.get("num_verifier_layers")
+    if layers is None:
+        raise PipelineError(f"store: manifest '{ctx.paths.store / 'manifest.json'}': 'num_verifier_layers' is "
+                            "missing; recapture the store with jobs/generate.py")
+    if layers != int(verifier_config.num_hidden_layers):
+        raise PipelineError(f"train: the store {ctx.paths.store} was captured from {layers} verifier layers, "
+                            f"verifier '{ctx.cfg.verifier.name}' has {verifier_config.num_hidden_layers}")
 
 
 def _spec(ctx: Context, manifest: dict):

@@ -190,6 +190,7 @@ def _store_with(tmp_path: Path, manifest) -> Path:
 
 
 GOOD_SHARD = {"file": "shard-0123456789abcdef.safetensors", "sha256": "0" * 64, "sample_ids": ["a"], "num_tokens": 3}
+GOOD_MANIFEST = {"layer_ids": [1], "shards": [GOOD_SHARD], "num_samples": 1, "num_tokens": 3, "bytes": 10}
 MANIFESTS = [
     ("not_json", "{shards: [", "is not JSON"),
     ("a_list", [], "must be a JSON object"),
@@ -207,6 +208,16 @@ MANIFESTS = [
      "'shards[0].sample_ids' must be a list"),
     ("tokens_negative", {"layer_ids": [1], "shards": [{**GOOD_SHARD, "num_tokens": -1}]},
      "'shards[0].num_tokens' must be a token count"),
+    # the totals and the typed fields readers print or compare: each was a KeyError or TypeError before
+    ("no_totals", {"layer_ids": [1], "shards": [GOOD_SHARD]}, "'num_samples' must be a count, got None"),
+    ("samples_as_text", {**GOOD_MANIFEST, "num_samples": "1"}, "'num_samples' must be a count, got '1'"),
+    ("bytes_negative", {**GOOD_MANIFEST, "bytes": -5}, "'bytes' must be a count"),
+    ("samples_miscounted", {**GOOD_MANIFEST, "num_samples": 2}, "'num_samples' is 2 but the shards list 1 samples"),
+    ("tokens_miscounted", {**GOOD_MANIFEST, "num_tokens": 4}, "'num_tokens' is 4 but the shards hold 3 tokens"),
+    ("version_as_text", {**GOOD_MANIFEST, "format_version": "2"}, "'format_version' must be a positive whole"),
+    ("hidden_size_bool", {**GOOD_MANIFEST, "hidden_size": True}, "'hidden_size' must be a positive whole number"),
+    ("layers_zero", {**GOOD_MANIFEST, "num_verifier_layers": 0}, "'num_verifier_layers' must be a positive whole"),
+    ("fingerprint_number", {**GOOD_MANIFEST, "tokenizer_fingerprint": 5}, "'tokenizer_fingerprint' must be a string"),
 ]
 
 
@@ -218,6 +229,20 @@ def test_a_malformed_store_manifest_is_refused_naming_the_field(name, manifest, 
     text = str(refused.value)
     assert text.startswith(f"store: manifest '{store / 'manifest.json'}'") and message in text, text
     assert "\n" not in text
+
+
+def test_a_well_formed_manifest_loads(tmp_path):
+    assert load_manifest(_store_with(tmp_path, GOOD_MANIFEST)) == GOOD_MANIFEST
+
+
+def test_verify_store_names_a_malformed_manifest_field_in_one_line(tmp_path):
+    store = _store_with(tmp_path, {**GOOD_MANIFEST, "format_version": "2"})
+    done = subprocess.run([sys.executable, str(REPO / "jobs" / "verify_store.py"), str(store)], capture_output=True,
+                          text=True, cwd=REPO)
+    assert done.returncode == 2 and not done.stdout, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: store: manifest '{store / 'manifest.json'}': 'format_version' must be a positive whole number, "
+        "got '2'"]
 
 
 def test_a_malformed_manifest_ends_the_training_job_with_exit_2(tmp_path, tiny_verifier_path, capsys):

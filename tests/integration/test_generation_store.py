@@ -142,6 +142,21 @@ def test_a_store_or_regenerated_set_from_another_tokenizer_is_refused(killed_the
         run_stages(copied, "generate", ["capture"])
 
 
+@pytest.mark.parametrize("layers, message", [(None, "'num_verifier_layers' is missing; recapture"),
+                                             (99, "was captured from 99 verifier layers")])
+def test_a_store_without_the_verifiers_layer_count_is_refused_before_training(killed_then_rerun, tmp_path, layers,
+                                                                                message):
+    cfg, _, _ = killed_then_rerun
+    copied, paths = copy_outputs(cfg, tmp_path)
+    manifest = load_manifest(paths.store)
+    manifest.pop("num_verifier_layers")
+    if layers is not None:
+        manifest["num_verifier_layers"] = layers
+    (paths.store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PipelineError, match=message):
+        run_stages(copied, "train", ["train"])
+
+
 def test_a_tokenizer_larger_than_the_verifier_vocabulary_is_refused(tmp_path, tiny_verifier_path, capsys):
     from transformers import AutoTokenizer
 
