@@ -47,7 +47,11 @@ def main() -> int:
         if args.out.exists() and not args.out.is_dir():
             raise PipelineError(f"--out {args.out}: is a file; give the folder for k8s/ and ray/")
         files = rendered_files(args.overrides, experiments, shapes)
-        write(files, args.out)
+        try:
+            write(files, args.out)
+        except OSError as error:  # a file where a folder must go, no permission, a full disk
+            raise PipelineError(f"--out {args.out}: cannot write {error.filename or args.out}: "
+                                f"{error.strerror or error}") from None
         for relative in files:
             print(args.out / relative)
 

@@ -292,6 +292,12 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
              "non-root)")
     _require(cluster.kubernetes.head_cpus >= 1, "cluster.kubernetes.head_cpus: must be >= 1")
     _require(cluster.launcher.disk_gb >= 1, "cluster.launcher.disk_gb: must be >= 1")
+    # Each names something the manifests and launcher configs write as is (an image, a namespace, a secret, a
+    # machine type): an empty one renders a file the schemas accept and the cluster rejects at pod start.
+    for group in ("kubernetes", "launcher"):
+        for key, value in cluster[group].items():
+            _require(not isinstance(value, str) or (value.strip() != "" and value.strip() == value),
+                     f"cluster.{group}.{key}: must be a non-empty name without surrounding spaces, got {value!r}")
     if not cluster.use_gpu:
         return
     total = cluster.num_nodes * cluster.gpus_per_node

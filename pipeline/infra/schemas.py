@@ -60,10 +60,16 @@ def _kubernetes_problems(document: dict) -> list[str]:
 
 
 def manifest_problems(document: dict) -> list[str]:
-    """The schema violations of one parsed manifest ([] = valid), each naming its field: every one the KubeRay
-    schema finds, the first one Kubernetes' schema finds (kubernetes-validate stops there)."""
-    if not isinstance(document, dict) or "kind" not in document or "apiVersion" not in document:
+    """The problems of one parsed manifest ([] = valid), each naming its field: every schema violation the KubeRay
+    schema finds, the first one Kubernetes' schema finds (kubernetes-validate stops there), and every container
+    without an image."""
+    if not isinstance(document, dict) or not isinstance(document.get("kind"), str) \
+            or not isinstance(document.get("apiVersion"), str):
         return ["<root>: not a Kubernetes object (apiVersion and kind are required)"]
+    return _schema_problems(document) + list(_container_image_problems(document))
+
+
+def _schema_problems(document: dict) -> list[str]:
     kind = document["kind"]
     if not document["apiVersion"].startswith("ray.io/"):
         return _kubernetes_problems(document)
@@ -76,6 +82,25 @@ def manifest_problems(document: dict) -> list[str]:
                         "template": template}
         problems += [f"spec.{where}: {problem}" for problem in _kubernetes_problems(pod_template)]
     return problems
+
+
+def _container_image_problems(node: Any, where: str = "") -> Iterator[str]:
+    """Containers without an image, anywhere in a manifest. The schemas leave `image` optional (for controllers
+    that fill it in), but the API server refuses a pod whose container has none."""
+    if isinstance(node, list):
+        for index, item in enumerate(node):
+            yield from _container_image_problems(item, f"{where}[{index}]")
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        field = f"{where}.{key}" if where else key
+        if key in ("containers", "initContainers") and isinstance(value, list):
+            for index, container in enumerate(value):
+                image = container.get("image") if isinstance(container, dict) else None
+                if not isinstance(image, str) or not image.strip():
+                    yield f"{field}[{index}].image: a container needs an image, got {image!r}"
+        yield from _container_image_problems(value, field)
 
 
 def file_problems(path: Path) -> list[str]:

@@ -138,6 +138,17 @@ def test_render_infra_check_fails_without_manifests(tmp_path, monkeypatch, capsy
     assert out.exists() == (layout != "missing")
 
 
+def test_render_infra_names_an_out_folder_it_cannot_write(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "infra"
+    monkeypatch.setattr(sys, "argv", ["render_infra.py", "--out", str(out), "--experiment", "qwen3_8b_peagle"])
+    assert _render_infra_main()() == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: cannot write "), lines
+    assert blocker.read_text() == "not a folder"
+
+
 def test_machine_info_says_whether_auto_autocast_trains_in_bf16(monkeypatch):
     """Every benchmark JSON records what training.autocast_dtype=auto picks here and the oneDNN cap that can hide
     AVX512-BF16 (an AVX512 machine capped at AVX2 trains in fp32), so rows from different CPUs can be told apart."""

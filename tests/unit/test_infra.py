@@ -72,6 +72,32 @@ def test_the_validation_names_what_is_wrong():
     deployment["spec"]["replicas"] = "one"
     assert manifest_problems(deployment) and "replicas" in manifest_problems(deployment)[0]
     assert manifest_problems({"apiVersion": "ray.io/v1", "kind": "RayThing"})
+    assert manifest_problems({"apiVersion": 1, "kind": "Pod"}) == [
+        "<root>: not a Kubernetes object (apiVersion and kind are required)"]
+
+
+@pytest.mark.parametrize("image", ["", "  ", None])
+def test_a_container_without_an_image_is_a_problem_in_every_kind(image):
+    """The schemas leave a container's image optional; the API server does not. Checked in KubeRay and built-in
+    kinds alike, and wherever the pod template sits."""
+    job = load(INFRA / "k8s" / "rayjob-qwen3_8b_peagle.yaml")
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker["image"] = image
+    assert "spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0].image: a container needs an " \
+           f"image, got {image!r}" in manifest_problems(job)
+    deployment = next(d for d in yaml.safe_load_all((INFRA / "k8s" / "mlflow.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["image"] = image
+    assert f"spec.template.spec.containers[0].image: a container needs an image, got {image!r}" \
+        in manifest_problems(deployment)
+
+
+@pytest.mark.parametrize("override", ["cluster.kubernetes.image=''", "cluster.kubernetes.namespace=' x'",
+                                      "cluster.kubernetes.hf_secret='  '", "cluster.launcher.project_id=''"])
+def test_an_empty_name_for_the_cluster_files_is_refused_by_field(override):
+    field = override.split("=")[0]
+    with pytest.raises(PipelineError, match=rf"^{re.escape(field)}: must be a non-empty name"):
+        validate(compose([override]))
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
