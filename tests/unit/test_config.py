@@ -139,6 +139,19 @@ def test_each_drafters_schema_extends_the_one_it_builds_on():
         assert type(OmegaConf.to_object(composed)) is drafter.config_class
 
 
+@pytest.mark.parametrize("name", ["eagle3", "peagle", "dflash", "dspark", "dflash2"])
+def test_a_drafters_bare_schema_holds_the_defaults_its_config_group_composes(name):
+    """One source of defaults: code that builds a drafter's options from its schema alone (a test, a benchmark,
+    a library user) gets the drafter `drafter=<name>` trains, e.g. DFlash's D-PACE weighting, EAGLE-3's 8192-token
+    draft vocabulary."""
+    import dataclasses
+
+    from pipeline.drafters import DRAFTERS
+
+    bare = dataclasses.asdict(DRAFTERS[name].config_class())
+    assert bare == OmegaConf.to_container(compose([f"drafter={name}"]).drafter, enum_to_str=False)
+
+
 @pytest.mark.parametrize("override,field", [
     ("data.synthetic.per_domain=0", "data.synthetic.per_domain"),
     ("data.synthetic.domains=[code,poetry]", "data.synthetic.domains"),

@@ -26,7 +26,7 @@ class DFlashConfig(DrafterConfig):
     # "dpace" weighs each draft by what the block's expected accepted length gains from it, read from each row's
     # exp(-KL) to its target: the greedy-match probability itself with distill_target "argmax" (speculators'
     # D-PACE, its DFlash default), a stand-in for it with "distribution"; smoothed by dpace_alpha.
-    position_weighting: PositionWeighting = PositionWeighting.decay
+    position_weighting: PositionWeighting = PositionWeighting.dpace
     dpace_alpha: float = 0.5
     # What a draft learns from the verifier: its next-token "distribution" (soft cross-entropy) or its greedy token
     # ("argmax": cross-entropy on it, speculators' `ce`, its DFlash default).

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.drafters.dflash.config import DFlashConfig
+from pipeline.drafters.dflash.config import DFlashConfig, PositionWeighting
 
 
 @dataclass
 class DFlash2Config(DFlashConfig):
     name: str = "dflash2"
+    # Fixed position decay: D-PACE is DFlash's alone (validate).
+    position_weighting: PositionWeighting = PositionWeighting.decay
     # Causal taps of each grouped dynamic convolution inside a draft block (at most the block size).
     conv_kernel_size: int = 2
     # Hidden channels that share one token-conditioned kernel (the verifier's hidden size must be a multiple).

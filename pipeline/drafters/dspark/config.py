@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.drafters.dflash.config import DFlashConfig
+from pipeline.drafters.dflash.config import DFlashConfig, PositionWeighting
 
 
 @dataclass
 class DSparkConfig(DFlashConfig):
     name: str = "dspark"
+    # Fixed position decay: the Markov bias takes its gradient from fixed weights (validate).
+    position_weighting: PositionWeighting = PositionWeighting.decay
     # Rank of the Markov (previous-token) logit bias: speculators' CLI default, 1.01-1.03 of rank 64 in tau
     # (benchmarks/results/versus_speculators.json).
     markov_rank: int = 256

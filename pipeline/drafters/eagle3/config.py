@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Self
+from typing import Optional, Self
 
 from pipeline.config.schema import DistillTarget, DrafterConfig
 
@@ -22,6 +22,9 @@ class EagleFamilyConfig(DrafterConfig):
     # depth_keep_decay**d of the anchors, nested, so the first drafts weigh more in the loss and a step has fewer
     # rows. 1.0 keeps every depth of every anchor (EAGLE-3's training-time test as speculators runs it).
     depth_keep_decay: float = 1.0
+    # The draft LM head scores the 8192 most frequent response tokens of the store (d2t/t2d in the export), as
+    # conf/drafter/{eagle3,peagle}.yaml say: the vocabulary-sized logits dominate a training step.
+    draft_vocab_size: Optional[int] = 8192
     # Greedy verification accepts a draft when it is the verifier's argmax: "argmax" trains on that token alone
     # (speculators' `ce`), "distribution" on the verifier's whole next-token distribution (its `kl_div`, the default).
     distill_target: DistillTarget = DistillTarget.distribution
