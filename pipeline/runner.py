@@ -145,4 +145,32 @@ def run_job(cfg: DictConfig, job: str) -> int:
     """Run a job's stages (the config's `stages` for `pipeline`) with run_guarded. Returns the exit code."""
     setup_job_logging()
     stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
-    return run_guarded(lambda: run_stages(cfg, job, stages))
+    code = run_guarded(lambda: run_stages(cfg, job, stages))
+    if code:
+        remove_unused_hydra_run_folder(cfg)
+    return code
+
+
+def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
+    """Hydra makes its run folder under paths.root, with an empty job log, before any check runs: a job refused
+    with nothing logged leaves nothing behind. A folder holding any logged line stays, as do paths.root itself
+    and any folder that is not empty."""
+    import shutil
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():  # called as a library (tests, benchmarks): Hydra made no folder
+        return
+    folder = Path(HydraConfig.get().runtime.output_dir).resolve()
+    root = Path(cfg.paths.root).resolve()
+    if root not in folder.parents or any(p.is_file() and p.stat().st_size for p in folder.rglob("*")):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    for parent in folder.parents:  # the date folder, then hydra/, while empty
+        if parent == root:
+            break
+        try:
+            parent.rmdir()
+        except OSError:  # holds another run's folder
+            break

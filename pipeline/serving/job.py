@@ -123,10 +123,13 @@ def serve(ctx: Context) -> dict:
 def run_serve(cfg: DictConfig) -> int:
     """Entry point for jobs/serve.py."""
     from pipeline.config import validate
-    from pipeline.runner import run_guarded
+    from pipeline.runner import remove_unused_hydra_run_folder, run_guarded
 
     def validated_serve() -> None:
         validate(cfg)
         serve(Context.create(cfg))
 
-    return run_guarded(validated_serve)
+    code = run_guarded(validated_serve)
+    if code:
+        remove_unused_hydra_run_folder(cfg)
+    return code

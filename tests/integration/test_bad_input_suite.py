@@ -285,6 +285,19 @@ def test_a_refused_secret_on_the_command_line_is_written_nowhere(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "hunter2" not in result.stderr + result.stdout
     assert [p for p in tmp_path.rglob("*") if p.is_file() and "hunter2" in p.read_text(errors="replace")] == []
+    assert not any(tmp_path.iterdir())  # not even Hydra's run folder with its empty log
+
+
+def test_a_refused_job_leaves_no_hydra_run_folder_but_keeps_another_runs(tmp_path):
+    earlier = tmp_path / "hydra" / "2026-01-01" / "00-00-00"
+    earlier.mkdir(parents=True)
+    (earlier / "train.log").write_text("an earlier run's log\n")
+    for job in ("train", "generate", "serve"):
+        result = subprocess.run([sys.executable, f"jobs/{job}.py", f"paths.root={tmp_path}", "training.lr=-1"],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.strip() == "error: training.lr: must be > 0", result.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "hydra", "hydra/2026-01-01", "hydra/2026-01-01/00-00-00", "hydra/2026-01-01/00-00-00/train.log"]
 
 
 def test_a_paths_root_hydra_cannot_make_its_run_folder_under_is_one_line(tmp_path):
