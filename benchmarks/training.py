@@ -465,8 +465,9 @@ def feed_run(store: Path, plan: list[dict], layers: tuple[list[int], int], consu
 def feed(args) -> dict:
     import ray
 
-    from pipeline.data.store import load_manifest, sample_locations
+    from pipeline.data.store import sample_locations, verify_store
     from pipeline.drafters.build import default_aux_layer_ids
+    from pipeline.errors import PipelineError
     from pipeline.training.feed import WINDOW_MICRO_BATCHES, plan_row
 
     stores = sorted(Path(args.root).expanduser().resolve().glob("stores/*/manifest.json"))
@@ -474,7 +475,12 @@ def feed(args) -> dict:
         raise SystemExit(f"--root {args.root}: has no stores/*/manifest.json; make one with "
                          f"`python jobs/run_pipeline.py paths.root={args.root}`")
     store = stores[0].parent
-    manifest = load_manifest(store)
+    try:  # every shard whole, as the train stage checks before its workers read the store
+        manifest = verify_store(store)
+    except PipelineError as error:
+        raise SystemExit(f"--root {args.root}: {error}") from None
+    if "num_verifier_layers" not in manifest:
+        raise SystemExit(f"--root {args.root}: store manifest {store / 'manifest.json'} has no 'num_verifier_layers'")
     locations = sample_locations(store, manifest)
     plan = [plan_row(i + 1, 0, [locations[i % len(locations)]]) for i in range(args.rows)]
     # the layers EAGLE-3 reads, and the last one for its targets

@@ -5,6 +5,7 @@ case fails in its argument checks."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -72,6 +73,16 @@ def test_pipeline_time_checks_the_roots_before_creating_anything(tmp_path, args,
                   cwd=tmp_path)
     _one_line(result, expected.format(**names))
     assert not missing.exists() and list(empty.iterdir()) == [] and not out.parent.exists()
+
+
+def test_the_feed_benchmark_checks_the_store_as_training_does(tmp_path):
+    store = tmp_path / "stores" / "key"
+    store.mkdir(parents=True)
+    shard = {"file": "shard-0123456789abcdef.safetensors", "sha256": "0" * 64, "sample_ids": ["a"], "num_tokens": 3}
+    (store / "manifest.json").write_text(json.dumps({"layer_ids": [1], "shards": [shard], "num_samples": 1,
+                                                     "num_tokens": 3, "bytes": 10}))
+    result = _cli("benchmarks/training.py", "feed", "--root", str(tmp_path), cwd=tmp_path)
+    _one_line(result, f"--root {tmp_path}: store: shard '{store / shard['file']}' listed in the manifest is missing")
 
 
 @pytest.mark.parametrize("args, expected", [
