@@ -9,8 +9,9 @@ output root; the verifier's conversion is cached under ~/.cache/pipeline for bot
 place for both sides: the start and end of each stage's MLflow child run, and the job's from its parent run. Also
 recorded: the machine (CPU model, AVX2 / AVX512-BF16, cores), the held-out pooled tau at the evaluated K, the
 greedy-equivalence result, the vLLM tau gap and whether the gate promoted, so speed is never bought with quality.
-A root that is no finished run (no folder, no MLflow store, no evaluation report), or a --before that names no commit,
-is one line naming the flag, before anything is created.
+A root that is no finished run (no folder, no MLflow store or one MLflow cannot read, no evaluation report or a
+damaged one), a --before that names no commit, overrides that do not compose and validate, or an --out that is a
+folder, is one line naming the flag, before anything is created.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.errors import PipelineError, require  # noqa: E402
+from pipeline.errors import PipelineError, first_line, read_json, require  # noqa: E402
+from pipeline.fsutil import atomic_write_text  # noqa: E402
 
 STAGES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 
@@ -73,12 +75,7 @@ def measured(root: Path, flag: str = "--root") -> dict:
     """Stage and job seconds from the root's MLflow store, and the quality figures of its evaluation. Raises
     PipelineError naming `flag` when the root is no finished pipeline run (check_root, then its MLflow runs)."""
     check_root(root, flag)
-    import mlflow
-
-    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("speculators")
-    require(experiment is not None, f"{flag} {root}: its MLflow store has no 'speculators' experiment")
-    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    runs = _runs(root, flag)
     # the first job on the root is the cold one (a later rerun of the same command reuses every stage)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     require(bool(parents) and parents[0].info.end_time is not None,
@@ -88,9 +85,10 @@ def measured(root: Path, flag: str = "--root") -> dict:
     for run in runs:
         if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id:
             stages[run.data.tags["stage"]] = (run.info.end_time - run.info.start_time) / 1000
-    report = json.loads(next(root.glob("eval/*/report.json")).read_text())
-    served = json.loads(next(root.glob("eval/*/vllm.json")).read_text()) if list(root.glob("eval/*/vllm.json")) \
-        else {}
+    report = _report(next(root.glob("eval/*/report.json")), flag)
+    served_files = list(root.glob("eval/*/vllm.json"))
+    served = read_json(served_files[0], flag) if served_files else {}
+    require(isinstance(served, dict), f"{flag} {served_files[0] if served_files else root}: not a JSON object")
     promote = [r for r in runs if r.data.tags.get("stage") == "promote"
                and r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     return {
@@ -103,6 +101,54 @@ def measured(root: Path, flag: str = "--root") -> dict:
         "vllm_tau": served.get("tau"), "vllm_tau_gap": served.get("tau_gap"),
         "gate": promote[0].data.tags.get("gate.decision") if promote else None,
     }
+
+
+def _runs(root: Path, flag: str) -> list:
+    """The runs of the root's 'speculators' experiment, oldest first; a store MLflow cannot read is one line."""
+    import mlflow
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("speculators")
+        require(experiment is not None, f"{flag} {root}: its MLflow store has no 'speculators' experiment")
+        return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    except (mlflow.exceptions.MlflowException, SQLAlchemyError) as error:
+        raise PipelineError(f"{flag} {root}: its MLflow store mlflow/mlflow.db cannot be read "
+                            f"({first_line(error)})") from None
+
+
+def _report(path: Path, flag: str) -> dict:
+    """The evaluation report with the fields this benchmark records; anything else is one line naming the file."""
+    report = read_json(path, flag)
+    try:
+        report["datasets"]["held_out"]["pooled_tau"]
+        report["num_speculative_tokens"], report["conditional_acceptance"], len(report["greedy_mismatches"])
+    except (KeyError, TypeError):
+        raise PipelineError(f"{flag} {path}: not an evaluation report (needs datasets.held_out.pooled_tau, "
+                            "num_speculative_tokens, conditional_acceptance, greedy_mismatches)") from None
+    return report
+
+
+def check_out(out: Path) -> None:
+    """--out must be a file this script can write: not a folder, and under no file."""
+    require(not out.is_dir(), f"--out {out}: is a folder; give the JSON file to write")
+    require(not any(parent.exists() and not parent.is_dir() for parent in out.parents),
+            f"--out {out}: a folder above it is a file")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """The overrides compose and validate in this tree, before either run starts (a bad one would fail the first
+    run minutes in, and leave its worktree behind)."""
+    from pipeline.config import compose, validate
+    from pipeline.config.registration import config_error_line, is_composition_error
+
+    try:
+        validate(compose(overrides))
+    except Exception as error:  # noqa: BLE001 - only Hydra's composition errors are turned into one line
+        if not is_composition_error(error):
+            raise
+        raise PipelineError(config_error_line(error, overrides)) from None
 
 
 def compare(before: dict, after: dict) -> dict:
@@ -122,6 +168,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs (none: the default run)")
     args = parser.parse_args()
     result = {"machine": machine(), "overrides": args.overrides, "note": args.note}
+    check_out(args.out)
     if args.before_root and args.after_root:
         before_root, after_root = args.before_root.expanduser().resolve(), args.after_root.expanduser().resolve()
         flags = ("--before-root", "--after-root")
@@ -131,20 +178,23 @@ def main() -> None:
         known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"], cwd=REPO,
                                capture_output=True)
         require(known.returncode == 0, f"--before {args.before}: no such commit in {REPO}")
+        check_overrides(args.overrides)
         scratch = Path(tempfile.mkdtemp(prefix="pipeline-time-"))
         before_code = scratch / "before-code"
         subprocess.run(["git", "worktree", "add", "--detach", str(before_code), args.before], cwd=REPO, check=True)
         before_root, after_root = scratch / "before", scratch / "after"
         flags = (f"--before {args.before}'s run", "this tree's run")
-        result["before_wall_seconds"] = run_pipeline(before_code, before_root, args.overrides)
-        result["after_wall_seconds"] = run_pipeline(REPO, after_root, args.overrides)
-        subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=REPO, check=False)
+        try:  # the roots and logs stay in scratch (a failed run's message names its log); the worktree goes
+            result["before_wall_seconds"] = run_pipeline(before_code, before_root, args.overrides)
+            result["after_wall_seconds"] = run_pipeline(REPO, after_root, args.overrides)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=REPO, check=False)
     else:
         parser.error("give --before REF, or --before-root and --after-root")
     result["before"], result["after"] = measured(before_root, flags[0]), measured(after_root, flags[1])
     result.update(compare(result["before"], result["after"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("after_over_before", "stage_after_over_before")}, indent=1))
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,53 @@ def test_the_feed_benchmark_checks_the_store_as_training_does(tmp_path):
                                                      "num_tokens": 3, "bytes": 10}))
     result = _cli("benchmarks/training.py", "feed", "--root", str(tmp_path), cwd=tmp_path)
     _one_line(result, f"--root {tmp_path}: store: shard '{store / shard['file']}' listed in the manifest is missing")
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("mlflow_db", "--before-root {root}: its MLflow store mlflow/mlflow.db cannot be read ("),
+    ("report", "--before-root {report}: not an evaluation report (needs datasets.held_out.pooled_tau"),
+    ("report_text", "--before-root: '{report}' is not readable JSON"),
+])
+def test_pipeline_time_names_a_damaged_root_in_one_line(tmp_path, damage, expected):
+    root = tmp_path / "root"
+    (root / "mlflow").mkdir(parents=True)
+    (root / "eval" / "key").mkdir(parents=True)
+    report = root / "eval" / "key" / "report.json"
+    report.write_text("{not json" if damage == "report_text" else "{}")
+    if damage == "mlflow_db":
+        (root / "mlflow" / "mlflow.db").write_text("not a database")
+    else:  # a real MLflow store with one finished job, so the report is what fails
+        import mlflow
+
+        client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
+        job = client.create_run(client.create_experiment("speculators"))
+        client.set_terminated(job.info.run_id)
+    out = tmp_path / "results" / "pipeline_time.json"
+    result = _cli("benchmarks/pipeline_time.py", "--before-root", str(root), "--after-root", str(root), "--out",
+                  str(out), cwd=tmp_path)
+    _one_line(result, expected.format(root=root, report=report))
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--before", "HEAD", "training.lr=-1"], "training.lr: must be > 0"),
+    (["--before", "HEAD", "training.no_such_key=1"], "training.no_such_key"),
+    (["--before", "HEAD", "--out", "{folder}"], "--out {folder}: is a folder"),
+    (["--before", "HEAD", "--out", "{file}/x.json"], "--out {file}/x.json: a folder above it is a file"),
+])
+def test_pipeline_time_refuses_bad_overrides_and_out_before_making_a_worktree(tmp_path, args, expected):
+    folder, file = tmp_path / "folder", tmp_path / "a-file"
+    folder.mkdir()
+    file.write_text("x")
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    scratch = set(Path(tempfile.gettempdir()).glob("pipeline-time-*"))
+    args = [a.format(folder=folder, file=file) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "results" / "out.json")]
+    _one_line(_cli("benchmarks/pipeline_time.py", *args, cwd=tmp_path), expected.format(folder=folder, file=file))
+    assert subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout == worktrees
+    assert set(Path(tempfile.gettempdir()).glob("pipeline-time-*")) == scratch
+    assert not (tmp_path / "results").exists() and list(folder.iterdir()) == []
 
 
 @pytest.mark.parametrize("args, expected", [
