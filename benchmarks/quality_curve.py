@@ -38,6 +38,7 @@ from benchmarks.training import (  # noqa: E402
     machine_info,
     write_json,
 )
+from pipeline.errors import PipelineError, read_json  # noqa: E402
 
 DRAFTERS = ["peagle", "eagle3"]
 EVAL_SETS = ["held_out", "code", "math", "chat"]
@@ -276,11 +277,12 @@ def main() -> None:
     out = Path(args.out)
     if out.is_dir():
         parser.error(f"--out {out}: is a folder; give the JSON file to write")
-    try:
-        result = json.loads(out.read_text()) if args.update and out.is_file() else {}
-    except (OSError, ValueError) as error:
-        parser.error(f"--out {out}: --update cannot read it ({type(error).__name__}: {error})")
-    if not isinstance(result, dict) or not isinstance(result.get("drafters", {}), dict):
+    try:  # not UTF-8, not JSON, nested past the recursion limit: one line
+        result = read_json(out, f"--out {out}: --update") if args.update and out.is_file() else {}
+    except PipelineError as error:
+        parser.error(str(error))
+    drafters = result.get("drafters", {}) if isinstance(result, dict) else None
+    if not isinstance(drafters, dict) or not all(isinstance(curve, dict) for curve in drafters.values()):
         parser.error(f"--out {out}: --update needs an earlier quality_curve JSON object")
     # a mistyped --override fails here, not in the job after fresh_root
     check_overrides([pipeline_overrides(work / algorithm, algorithm, args) for algorithm in args.drafters])

@@ -509,12 +509,17 @@ def earlier_result(out: Path, settings: dict) -> dict:
     measured with other settings."""
     if not out.is_file():
         return {}
+    from pipeline.errors import PipelineError, read_json
+
     try:
-        earlier = json.loads(out.read_text())
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"--update: {out} cannot be read ({type(error).__name__}: {error})") from None
+        earlier = read_json(out, "--update")
+    except PipelineError as error:  # not UTF-8, not JSON, nested past the recursion limit
+        raise SystemExit(str(error)) from None
     if not isinstance(earlier, dict):
         raise SystemExit(f"--update: {out} holds no earlier result (a JSON object)")
+    drafters = earlier.get("drafters", {})
+    if not isinstance(drafters, dict) or not all(isinstance(outcome, dict) for outcome in drafters.values()):
+        raise SystemExit(f"--update: {out}: 'drafters' must map each drafter to its result (a JSON object)")
     differing = [key for key in SETTINGS if earlier.get(key) != settings[key]]
     if differing:
         raise SystemExit(f"--update: {out} was measured with other {differing}; rerun every drafter instead")

@@ -133,6 +133,22 @@ def test_pipeline_time_refuses_bad_overrides_and_out_before_making_a_worktree(tm
     assert not (tmp_path / "results").exists() and list(folder.iterdir()) == []
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("[" * 100_000 + "]" * 100_000, "--update: '{out}' is not readable JSON (nested too deeply)"),
+    ('{"drafters": {"peagle": [1]}}', "--out {out}: --update needs an earlier quality_curve JSON object"),
+], ids=["nested_too_deeply", "drafter_not_an_object"])  # short ids: the test id reaches the child's environment
+def test_quality_curve_update_names_a_file_it_cannot_add_to(tmp_path, text, expected):
+    for folder in ("prompts", "regenerated", "stores/key"):
+        (tmp_path / "root" / folder).mkdir(parents=True)
+    (tmp_path / "root" / "stores" / "key" / "manifest.json").write_text("{}")
+    out = tmp_path / "curve.json"
+    out.write_text(text)
+    result = _cli("benchmarks/quality_curve.py", "--root", str(tmp_path / "root"), "--work", str(tmp_path / "work"),
+                  "--out", str(out), "--update", cwd=tmp_path)
+    _one_line(result, expected.format(out=out))
+    assert out.read_text() == text and not (tmp_path / "work").exists()
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--points", "0"], "--points 0: must be at least 1"),
     (["--steps", "0"], "--steps 0: must be at least 1"),

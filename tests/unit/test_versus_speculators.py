@@ -106,3 +106,16 @@ def test_update_keeps_other_records_and_never_replaces_a_measurement_with_a_fail
     assert earlier["drafters"]["dflash"] == {"error": "RuntimeError: boom"}
     with pytest.raises(SystemExit, match="steps"):
         earlier_result(out, {**settings, "steps": 4})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100_000 + "]" * 100_000, "is not readable JSON (nested too deeply)"),
+    ('{"drafters": ["peagle"]}', "'drafters' must map each drafter to its result"),
+    ('{"drafters": {"peagle": 3}}', "'drafters' must map each drafter to its result"),
+], ids=["nested_too_deeply", "drafters_a_list", "drafter_not_an_object"])
+def test_update_refuses_a_file_it_cannot_add_to_in_one_line(tmp_path, text, message):
+    out = tmp_path / "versus.json"
+    out.write_text(text)
+    with pytest.raises(SystemExit) as refused:
+        earlier_result(out, {})
+    assert message in str(refused.value) and "\n" not in str(refused.value)
