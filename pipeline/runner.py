@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -109,6 +110,11 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
 
     from pipeline.config.registration import config_error_line, is_composition_error
 
+    try:
+        refuse_credentials_in_overrides(sys.argv[1:])
+    except PipelineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
@@ -127,6 +133,22 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         print(f"error: paths.root: cannot create Hydra's run folder '{error.filename}': {error.strerror or error}",
               file=sys.stderr)
         sys.exit(2)
+
+
+URI_IN_OVERRIDE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"()\[\]]*")
+
+
+def refuse_credentials_in_overrides(arguments: list[str]) -> None:
+    """A URI with credentials in a command-line override, refused before Hydra starts: under `-m` Hydra logs each
+    job's overrides and saves them (multirun.yaml) before any job runs its own checks (validate). Each URI of a
+    value is checked, a sweep's too (`key=uri1,uri2`). Raises PipelineError naming the key."""
+    from pipeline.tracking import refuse_credentials
+
+    for argument in arguments:
+        key, assigned, value = argument.partition("=")
+        if assigned and not key.startswith("-"):
+            for uri in URI_IN_OVERRIDE.findall(value):
+                refuse_credentials(uri, key.lstrip("+~"))
 
 
 def _raised_making_hydras_run_folder(error: OSError) -> bool:

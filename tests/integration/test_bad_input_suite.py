@@ -288,6 +288,18 @@ def test_a_refused_secret_on_the_command_line_is_written_nowhere(tmp_path):
     assert not any(tmp_path.iterdir())  # not even Hydra's run folder with its empty log
 
 
+@pytest.mark.parametrize("override", ["tracking.tracking_uri=https://alice:hunter2@mlflow.example.com",
+                                      "tracking.tracking_uri=http://127.0.0.1:5000,http://bob:hunter2@h:5000",
+                                      "+cluster.address=ray://bob:hunter2@head:10001"])
+def test_a_secret_in_a_multirun_override_is_refused_before_hydra_logs_or_saves_it(tmp_path, override):
+    """Under -m Hydra prints each job's overrides and writes multirun.yaml before any job runs validate."""
+    result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={tmp_path}", override],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "hunter2" not in result.stderr + result.stdout, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {override.split('=')[0].lstrip('+')}: ")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_refused_job_leaves_no_hydra_run_folder_but_keeps_another_runs(tmp_path):
     earlier = tmp_path / "hydra" / "2026-01-01" / "00-00-00"
     earlier.mkdir(parents=True)
