@@ -114,6 +114,18 @@ def verify(folder: Path, what: str = "checkpoint") -> None:  # what: the field o
                             "record lists it)")
 
 
+def folder_digest(folder: Path) -> str:
+    """One sha256 (hex) for everything the folder's integrity records list, from the digests they hold (nothing is
+    hashed again): what tells apart two sets of weights written to the same path. Raises PipelineError for a folder
+    without readable records."""
+    listed: dict[str, str] = {}
+    for record in _records(Path(folder)):
+        listed.update({relative: entry["sha256"] for relative, entry in record["files"].items()})
+    if not listed:
+        raise PipelineError(f"integrity: '{folder}' has no integrity record ({RECORD_PREFIX}<rank>.json)")
+    return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
+
+
 def is_intact(folder: Path) -> bool:
     try:
         verify(folder)

@@ -63,11 +63,15 @@ def _evaluate(ctx: Context, results: dict, run_id: str) -> Any:
 
 def _report(ctx: Context, results: dict) -> dict | None:
     """This job's evaluation report, or an earlier job's of the same evaluation, or None."""
-    from pipeline.evaluation.stage import load_report
+    from pipeline.evaluation.stage import load_report, report_is_of
 
     report = results.get("evaluate")
     if report is None and (ctx.paths.evaluation / "report.json").is_file():
         report = load_report(ctx.paths.evaluation)
+        checkpoint = _final_checkpoint(ctx, results)
+        if not report_is_of(report, checkpoint):  # the checkpoint was made again since: its τ is not this one's
+            raise PipelineError(f"evaluate: the report in {ctx.paths.evaluation} was measured on other weights than "
+                                f"those now at {checkpoint}; run the evaluate stage again")
     return report
 
 
@@ -115,7 +119,7 @@ def _promote(ctx: Context, results: dict, run_id: str) -> Any:
         return {"promoted": False, "reason": reason}
     report = _required_report(ctx, results, "promote")
     decision = gate.promote(ctx.tracking("promote"), exported["registered_model"], exported["version"], report,
-                            results.get("vllm_eval") or vllm_check.load_result(ctx.paths.evaluation),
+                            results.get("vllm_eval") or vllm_check.load_result(ctx.paths.evaluation, report),
                             ctx.cfg.evaluation.gate)
     ctx.set_tags({"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason})
     ctx.log_metrics({"gate.promoted": float(decision.promote)})

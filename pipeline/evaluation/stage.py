@@ -21,6 +21,7 @@ from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches
 from pipeline.evaluation.report import write_report
 from pipeline.fsutil import atomic_write_text
+from pipeline.integrity import folder_digest
 from pipeline.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
 from pipeline.verifier import load_verifier, stop_token_ids
 
@@ -122,7 +123,8 @@ def _requests_of(per_set: dict[str, dict]) -> list[dict]:
 
 
 def _finished_report(folder: Path, checkpoint: Path) -> dict | None:
-    """A complete report of this checkpoint under these settings (the folder is content-addressed by both)."""
+    """A complete report of this checkpoint's weights under these settings (the folder is content-addressed by
+    the checkpoint's path and the settings; the weights at that path are told apart by report_is_of)."""
     if not (folder / "report.json").is_file() or not (folder / REQUESTS_FILE).is_file():
         return None
     try:
@@ -130,7 +132,21 @@ def _finished_report(folder: Path, checkpoint: Path) -> dict | None:
     except PipelineError as error:  # damaged after it was written (it is renamed into place whole): measure again
         log.warning("evaluate: %s; measuring again", error)
         return None
-    return report if isinstance(report, dict) and report.get("checkpoint") == str(checkpoint) else None
+    if not report_is_of(report, checkpoint):
+        log.info("evaluate: the report in %s was measured on other weights; measuring again", folder)
+        return None
+    return report
+
+
+def report_is_of(report: dict, checkpoint: Path) -> bool:
+    """Whether `report` measured the weights now at `checkpoint` (a final checkpoint made again after damage sits
+    at the same path): its path and the digest of its integrity records (integrity.folder_digest)."""
+    if report.get("checkpoint") != str(checkpoint):
+        return False
+    try:
+        return report.get("checkpoint_digest") == folder_digest(checkpoint)
+    except PipelineError:  # no readable records: nothing to tie a report to
+        return False
 
 
 def _publish(ctx: Context, report: dict, folder: Path) -> None:
@@ -175,7 +191,7 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
         "datasets": per_set,
         "drafter": drafter.spec.algorithm, "verifier": ctx.cfg.verifier.name,
         "confidence_threshold": drafter.decoding_options().get("confidence_threshold"),
-        "checkpoint": str(checkpoint), "dataset": ctx.cfg.data.name,
+        "checkpoint": str(checkpoint), "checkpoint_digest": folder_digest(checkpoint), "dataset": ctx.cfg.data.name,
     }
     report["signature"] = evaluation_signature(report, requests)
     if mismatches:  # kept for inspection, under a name a rerun never takes for a finished report
@@ -190,8 +206,24 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
     return report
 
 
+# What the later stages read from a report (export's card, vllm_eval, promote's gate, _publish).
+REPORT_FIELDS = ("pooled_tau", "conditional_acceptance", "cumulative_acceptance", "profile", "datasets",
+                 "num_speculative_tokens", "max_new_tokens", "temperature", "greedy_mismatches", "drafter",
+                 "verifier", "checkpoint", "checkpoint_digest", "signature")
+
+
 def load_report(folder: Path) -> dict:
-    return read_json(folder / "report.json", "evaluate")
+    """The evaluation report in `folder`; one that is not JSON, not an object or lacks a field the later stages
+    read is a PipelineError naming the file and the field."""
+    path = folder / "report.json"
+    report = read_json(path, "evaluate")
+    if not isinstance(report, dict):
+        raise PipelineError(f"evaluate: '{path}' holds {type(report).__name__}, not an evaluation report")
+    missing = [field for field in REPORT_FIELDS if field not in report]
+    if missing:
+        raise PipelineError(f"evaluate: '{path}' is not a finished evaluation report (no {', '.join(missing)}); "
+                            "run the evaluate stage again")
+    return report
 
 
 def load_requests(folder: Path) -> list[dict]:

@@ -117,15 +117,27 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
         return json.loads(out.read_text())
 
 
-def load_result(folder: Path) -> dict:
-    """An earlier job's cross-check of this evaluation, or {} when there is none. A damaged one is a PipelineError
-    naming the file (read_json), like every file the pipeline reads back."""
+# What the stage's metrics and promote's gate read from a cross-check (compare writes them all).
+RESULT_FIELDS = ("tau", "tau_gap", "cumulative_acceptance", "num_requests", "reference_tau")
+
+
+def load_result(folder: Path, report: dict | None = None) -> dict:
+    """An earlier job's cross-check of this evaluation, or {} when there is none, or when `report` is given and
+    the cross-check served other weights than it measured (a checkpoint made again at the same path). A damaged
+    one is a PipelineError naming the file (read_json), like every file the pipeline reads back."""
     path = folder / RESULT_FILE
     if not path.is_file():
         return {}
     result = read_json(path, "vllm_eval")
     if not isinstance(result, dict):
         raise PipelineError(f"vllm_eval: '{path}' holds {type(result).__name__}, not the cross-check's object")
+    missing = [field for field in RESULT_FIELDS if field not in result]
+    if missing:
+        raise PipelineError(f"vllm_eval: '{path}' is not a finished cross-check (no {', '.join(missing)}); delete "
+                            "it and run the vllm_eval stage again")
+    if report is not None and result.get("checkpoint_digest") != report.get("checkpoint_digest"):
+        log.info("vllm_eval: %s served other weights than the report measured; not reused", path)
+        return {}
     return result
 
 
@@ -140,12 +152,12 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
         log.warning("vllm_eval: skipped: %s", reason)
         ctx.set_tags({"vllm.skipped": reason})
         return {"skipped": reason}
-    result = load_result(folder)
+    result = load_result(folder, report)
     if result:
         log.info("vllm_eval: reusing %s", folder / RESULT_FILE)
     else:
         served = _run_vllm(ctx, export_dir, requests, report)
-        result = compare(report, requests, served)
+        result = {**compare(report, requests, served), "checkpoint_digest": report["checkpoint_digest"]}
         if result.get("requests_matching_reference", len(requests)) < len(requests):
             result.update(judge_divergences(ctx, requests, served["speculative"]["tokens"]))
         atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=1))

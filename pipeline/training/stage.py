@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -93,6 +93,7 @@ def _worker_env(use_gpu: bool) -> dict:
 def run(ctx: Context, run_id: str | None = None) -> Path:
     """Train (or reuse a finished run of the same config) and return the final checkpoint folder."""
     final = ctx.paths.final_checkpoint
+    damaged: PipelineError | None = None
     if final.is_dir():
         try:
             verify(final)
@@ -100,9 +101,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
             ctx.set_tags({"train.reused": True, "train.checkpoint": str(final)})
             return final
         except PipelineError as problem:  # a truncated or changed file: never picked again, made again
-            log.warning("train: the finished checkpoint fails its integrity check (%s); removing it and making it "
-                        "again", problem)
-            shutil.rmtree(final)
+            damaged = problem
     store = ctx.paths.store
     if not (store / "manifest.json").is_file():
         raise PipelineError(f"train: no hidden-state store (manifest.json) at {store}; "
@@ -115,6 +114,8 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         raise PipelineError(f"training.num_workers: {cfg.training.num_workers} workers but the store has only "
                             f"{trainable} samples to train on ({manifest['num_samples']} less "
                             f"training.val_samples={cfg.training.val_samples} held out)")
+    if damaged is not None:  # only once the store can train it again; kept aside, since a user's files may be in it
+        _set_aside(final, damaged)
     training, deepspeed, drafter = (OmegaConf.to_object(group) for group in (cfg.training, cfg.deepspeed, cfg.drafter))
     assert isinstance(training, TrainingConfig) and isinstance(deepspeed, DeepSpeedConfig)  # the schema's groups
     assert isinstance(drafter, DrafterConfig)  # its own schema (validate's _validate_drafter)
@@ -156,6 +157,16 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         ctx.log_artifact(final / name, "checkpoint")
     ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
     return final
+
+
+def _set_aside(final: Path, problem: PipelineError) -> Path:
+    """Rename a final checkpoint that fails its integrity check to a sibling `final.damaged-<UTC time>`, so the run
+    makes it again without deleting anything (it may hold a user's own files). Returns the new folder."""
+    aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    final.rename(aside)
+    log.warning("train: the finished checkpoint fails its integrity check (%s); moved to %s and made again",
+                problem, aside)
+    return aside
 
 
 def _val_tau_settings(ctx: Context) -> ValTauSettings | None:

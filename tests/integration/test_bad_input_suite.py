@@ -590,3 +590,23 @@ def test_the_evaluate_job_on_a_damaged_checkpoint_exits_2_naming_the_file(damage
     line = _error_line(capsys)
     assert line.startswith("error: ") and re.search(message, line), line
     assert not (StagePaths(cfg).evaluation / "report.json").exists()
+
+
+def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, tiny_verifier_path, prompts_jsonl,
+                                                                    capsys):
+    """One stray file in final/ fails the integrity check. With no store to train it again the train job stops
+    and final/ is left as it was; once it can be made again, it is moved aside whole, never removed."""
+    from pipeline.paths import StagePaths
+    from pipeline.training.stage import _set_aside
+    from tests.unit.test_integrity import checkpoint
+
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, prompts_jsonl))
+    final = checkpoint(StagePaths(cfg).final_checkpoint)
+    (final / "NOTES.txt").write_text("the user's notes")
+    before = sorted(p.relative_to(final).as_posix() for p in final.rglob("*"))
+    assert run_job(cfg, "train") == 2
+    assert "no hidden-state store" in _error_line(capsys)
+    assert sorted(p.relative_to(final).as_posix() for p in final.rglob("*")) == before
+    aside = _set_aside(final, PipelineError("checkpoint: NOTES.txt was not written with this checkpoint"))
+    assert not final.exists() and aside.parent == final.parent and aside.name.startswith("final.damaged-")
+    assert sorted(p.relative_to(aside).as_posix() for p in aside.rglob("*")) == before

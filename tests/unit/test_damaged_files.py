@@ -73,15 +73,57 @@ def test_a_truncated_or_stray_shard_is_never_counted_as_captured(tmp_path):
         scan_shards(tmp_path)
 
 
-def test_a_damaged_evaluation_report_is_measured_again(tmp_path):
+def _sealed_checkpoint(folder: Path, weights: bytes) -> Path:
+    from pipeline.integrity import seal
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(weights)
+    seal(folder)
+    return folder
+
+
+def _report_of(checkpoint: Path, **fields) -> dict:
+    from pipeline.evaluation.stage import REPORT_FIELDS
+    from pipeline.integrity import folder_digest
+
+    return {**{field: None for field in REPORT_FIELDS}, "checkpoint": str(checkpoint),
+            "checkpoint_digest": folder_digest(checkpoint), "pooled_tau": 1.5, **fields}
+
+
+def test_a_damaged_or_incomplete_evaluation_report_is_measured_again(tmp_path):
     from pipeline.evaluation.stage import REQUESTS_FILE, _finished_report
 
-    checkpoint = tmp_path / "final"
+    checkpoint = _sealed_checkpoint(tmp_path / "final", b"weights")
     (tmp_path / REQUESTS_FILE).write_text("[]")
-    (tmp_path / "report.json").write_text(json.dumps({"checkpoint": str(checkpoint), "pooled_tau": 1.5}))
+    (tmp_path / "report.json").write_text(json.dumps(_report_of(checkpoint)))
     assert _finished_report(tmp_path, checkpoint)["pooled_tau"] == 1.5
     (tmp_path / "report.json").write_text('{"checkpoint": "')
     assert _finished_report(tmp_path, checkpoint) is None
+    # valid JSON without the fields later stages read: a KeyError in _metrics before
+    (tmp_path / "report.json").write_text(json.dumps({"checkpoint": str(checkpoint)}))
+    assert _finished_report(tmp_path, checkpoint) is None
+
+
+def test_a_report_of_other_weights_at_the_same_path_is_not_reused(tmp_path):
+    """A final checkpoint made again (after failing its integrity check) sits at the same path: its report and
+    vLLM cross-check are the old weights', so they are measured again, and a later job will not export or gate
+    with them."""
+    import shutil
+
+    from pipeline.evaluation.stage import REQUESTS_FILE, _finished_report
+    from pipeline.evaluation.vllm_check import RESULT_FIELDS, RESULT_FILE, load_result
+
+    checkpoint = _sealed_checkpoint(tmp_path / "final", b"old weights")
+    report = _report_of(checkpoint)
+    (tmp_path / REQUESTS_FILE).write_text("[]")
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    served = {**{field: 1.0 for field in RESULT_FIELDS}, "checkpoint_digest": report["checkpoint_digest"]}
+    (tmp_path / RESULT_FILE).write_text(json.dumps(served))
+    assert load_result(tmp_path, report) == served
+    shutil.rmtree(checkpoint)
+    _sealed_checkpoint(checkpoint, b"new weights")
+    assert _finished_report(tmp_path, checkpoint) is None
+    assert load_result(tmp_path, _report_of(checkpoint)) == {}
 
 
 @pytest.mark.parametrize("spec_json", ["{", "{}", "[]"])
@@ -95,13 +137,15 @@ def test_resume_from_a_folder_whose_spec_is_not_a_drafter_spec_is_one_line(tmp_p
         read_resume_point(tmp_path, DrafterSpec.__new__(DrafterSpec))
 
 
-@pytest.mark.parametrize("content", ['{"tau": 1.', "[]", "null"], ids=["truncated", "a list", "null"])
+@pytest.mark.parametrize("content", ['{"tau": 1.', "[]", "null", '{"tau": 1.2}'],
+                         ids=["truncated", "a list", "null", "fields missing"])
 def test_a_damaged_vllm_cross_check_is_one_line_naming_the_file(tmp_path, content):
     from pipeline.evaluation.vllm_check import RESULT_FILE, load_result
 
     assert load_result(tmp_path) == {}  # none yet
     (tmp_path / RESULT_FILE).write_text(content)
-    with pytest.raises(PipelineError, match=rf"^vllm_eval: '{tmp_path / RESULT_FILE}' (is not readable JSON|holds)"):
+    with pytest.raises(PipelineError, match=rf"^vllm_eval: '{tmp_path / RESULT_FILE}' "
+                                            r"(is not readable JSON|holds|is not a finished cross-check \(no tau_gap)"):
         load_result(tmp_path)
 
 
