@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import typing
@@ -55,6 +56,30 @@ def _schema_defaults(schema: type) -> dict:
     return result_settings(OmegaConf.structured(schema), schema)
 
 
+LOCAL_FILE_SOURCES = ("jsonl", "parquet")  # data.path names a file whose bytes are the prompts
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from pipeline.integrity import sha256_file
+
+    return sha256_file(Path(path))
+
+
+def prompt_file_digest(source: Any, path: Any) -> str | None:
+    """The sha256 of a local prompt file (data.path, or an eval set's path, for a jsonl or parquet source), so an
+    edited file keys new prompts instead of reusing the old ones under its unchanged name. None for other sources
+    and for a path that is not a file yet (reading it is refused by name). Hashed once per file version a process
+    sees (keyed by size and mtime)."""
+    if str(source) not in LOCAL_FILE_SOURCES or not path:
+        return None
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        return None
+    status = file.stat()
+    return _file_sha256(str(file.resolve()), status.st_size, status.st_mtime_ns)
+
+
 def _used_data_settings(data_cfg: Any) -> dict:
     """cfg.data's result settings (not its `name` label), with the fields its source does not read
     (pipeline/data/prompts.py: FIELDS_READ_BY) at their defaults: another value of one selects the same prompts, so
@@ -70,6 +95,9 @@ def _used_data_settings(data_cfg: Any) -> dict:
             data.pop(name, None)
         else:
             data[name] = getattr(DataConfig, name)  # a plain default (only `synthetic` has a factory)
+    digest = prompt_file_digest(data.get("source"), data.get("path"))
+    if digest:  # only for a file source: the other sources' keys stay as they were
+        data["path_sha256"] = digest
     return data
 
 
@@ -81,8 +109,12 @@ def _used_set_fields(definition: Any) -> Any:
     if not isinstance(definition, dict):  # refused when the set is read (eval_sets.set_config), named there
         return definition
     source = str(definition.get("source", EvalSetConfig.source))
-    return {name: value for name, value in definition.items()
+    used = {name: value for name, value in definition.items()
             if name not in FIELDS_READ_BY or source in FIELDS_READ_BY[name]}
+    digest = prompt_file_digest(source, definition.get("path"))
+    if digest:
+        used["path_sha256"] = digest
+    return used
 
 
 def _deepspeed_settings(cfg: DictConfig) -> dict:

@@ -327,6 +327,30 @@ def test_an_eval_set_field_its_source_does_not_read_keeps_the_evaluation():
         assert StagePaths(compose([*sets, read])).evaluation != base.evaluation
 
 
+def test_an_edited_prompt_file_keys_new_prompts_and_an_untouched_one_keeps_them(tmp_path):
+    """Keys hashed data.path's name alone: a rewritten file reused the old prompts, answers, store, drafter and
+    report. The file's bytes count now, for data.path and for an eval set's file alike."""
+    import json
+    import os
+
+    from pipeline.paths import StagePaths
+
+    prompts, questions = tmp_path / "prompts.jsonl", tmp_path / "questions.jsonl"
+    for path in (prompts, questions):
+        path.write_text(json.dumps({"prompt": "first version"}) + "\n")
+    cfg = compose(["data=jsonl", f"data.path={prompts}", "evaluation.datasets=[held_out,mine]",
+                   f"+evaluation.sets.mine={{source: jsonl, path: '{questions}'}}"])
+    before = StagePaths(cfg)
+    os.utime(prompts, ns=(1, 1))  # touched, same bytes: the same prompts
+    assert StagePaths(cfg).prompts_key == before.prompts_key
+    prompts.write_text(json.dumps({"prompt": "second version"}) + "\n")
+    edited = StagePaths(cfg)
+    assert edited.prompts_key != before.prompts_key and edited.train_key != before.train_key
+    questions.write_text(json.dumps({"prompt": "another question"}) + "\n")
+    assert StagePaths(cfg).train_key == edited.train_key  # an eval set is no training input
+    assert StagePaths(cfg).evaluation_key != edited.evaluation_key
+
+
 @pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true",
                                       "deepspeed.offload_optimizer=true", "+deepspeed.extra.wall_clock_breakdown=true"])
 def test_deepspeed_settings_key_a_run_only_when_deepspeed_trains_it(override):
