@@ -304,4 +304,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PipelineError as error:  # bad input: one line and exit 2, as the jobs print it (pipeline/runner.py)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -48,6 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pipeline.errors import PipelineError  # noqa: E402
+
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark"]
 K = 4  # the CPU drafter configs' num_speculative_tokens
 PROMPT_TOKENS = 32  # leading tokens of the benchmark sequence that carry no loss
@@ -293,7 +295,7 @@ def step_time(args) -> dict:
     torch.set_num_threads(1)
     k = args.num_speculative_tokens
     if args.length < PROMPT_TOKENS + 2 * (k + 2):
-        raise SystemExit(f"--length {args.length}: too short for a {PROMPT_TOKENS}-token prompt and K={k}")
+        raise PipelineError(f"--length {args.length}: too short for a {PROMPT_TOKENS}-token prompt and K={k}")
     verifier = smollm2_verifier()
     config = verifier[2]
     results = {
@@ -335,23 +337,22 @@ def fresh_root(root: Path, target: Path) -> None:
 
 
 def check_work(root: Path, work: Path, names: list[str]) -> None:
-    """Refuse (SystemExit naming --work) a work folder whose per-run roots, which fresh_root empties, would hold
+    """Refuse (PipelineError naming --work) a work folder whose per-run roots, which fresh_root empties, would hold
     --root itself."""
     for name in names:
         if root.is_relative_to(work / name):
-            raise SystemExit(f"--work {work}: {work / name} would be emptied, and it holds --root {root}")
+            raise PipelineError(f"--work {work}: {work / name} would be emptied, and it holds --root {root}")
 
 
 def check_overrides(runs: list[list[str]]) -> None:
     """Compose each run's overrides before any run root is emptied: a mistyped --override is one line naming it."""
     from pipeline.config import compose
-    from pipeline.errors import PipelineError
 
     for overrides in runs:
         try:
             compose(overrides)
         except PipelineError as error:
-            raise SystemExit(f"--override: {error}") from None
+            raise PipelineError(f"--override: {error}") from None
 
 
 def read_train_run(overrides: list[str], subroot: Path) -> dict:
@@ -386,8 +387,9 @@ def throughput(args) -> dict:
     root = Path(args.root).expanduser().resolve()
     missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
     if missing or not list(root.glob("stores/*/manifest.json")):
-        raise SystemExit(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']}); "
-                         f"make one with `python jobs/run_pipeline.py paths.root={root}`")
+        raise PipelineError(f"--root {root}: needs a generated store (missing "
+                            f"{missing or ['stores/*/manifest.json']}); make one with "
+                            f"`python jobs/run_pipeline.py paths.root={root}`")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-training-throughput"
     check_work(root, work, [f"{drafter}-w{workers}" for drafter in args.drafters for workers in (1, 2)])
     check_overrides([[f"paths.root={work / f'{drafter}-w1'}", f"drafter={drafter}", *args.override]
@@ -467,20 +469,20 @@ def feed(args) -> dict:
 
     from pipeline.data.store import sample_locations, verify_store
     from pipeline.drafters.build import default_aux_layer_ids
-    from pipeline.errors import PipelineError
     from pipeline.training.feed import WINDOW_MICRO_BATCHES, plan_row
 
     stores = sorted(Path(args.root).expanduser().resolve().glob("stores/*/manifest.json"))
     if not stores:
-        raise SystemExit(f"--root {args.root}: has no stores/*/manifest.json; make one with "
+        raise PipelineError(f"--root {args.root}: has no stores/*/manifest.json; make one with "
                          f"`python jobs/run_pipeline.py paths.root={args.root}`")
     store = stores[0].parent
     try:  # every shard whole, as the train stage checks before its workers read the store
         manifest = verify_store(store)
     except PipelineError as error:
-        raise SystemExit(f"--root {args.root}: {error}") from None
+        raise PipelineError(f"--root {args.root}: {error}") from None
     if "num_verifier_layers" not in manifest:
-        raise SystemExit(f"--root {args.root}: store manifest {store / 'manifest.json'} has no 'num_verifier_layers'")
+        raise PipelineError(f"--root {args.root}: store manifest {store / 'manifest.json'} has no "
+                            "'num_verifier_layers'")
     locations = sample_locations(store, manifest)
     plan = [plan_row(i + 1, 0, [locations[i % len(locations)]]) for i in range(args.rows)]
     # the layers EAGLE-3 reads, and the last one for its targets
@@ -544,4 +546,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PipelineError as error:  # bad input: one line and exit 2, as the jobs print it (pipeline/runner.py)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -51,6 +51,7 @@ from benchmarks.training import (  # noqa: E402
     one_line,
     write_json,
 )
+from pipeline.errors import PipelineError, read_json  # noqa: E402
 
 DRAFTERS = ["peagle", "eagle3", "dflash", "dspark"]
 # vLLM 0.32 on CPU has no DSpark (pipeline.evaluation.vllm_check): both exports are measured by our lossless
@@ -509,20 +510,15 @@ def earlier_result(out: Path, settings: dict) -> dict:
     measured with other settings."""
     if not out.is_file():
         return {}
-    from pipeline.errors import PipelineError, read_json
-
-    try:
-        earlier = read_json(out, "--update")
-    except PipelineError as error:  # not UTF-8, not JSON, nested past the recursion limit
-        raise SystemExit(str(error)) from None
+    earlier = read_json(out, "--update")  # not UTF-8, not JSON, nested past the recursion limit: one line
     if not isinstance(earlier, dict):
-        raise SystemExit(f"--update: {out} holds no earlier result (a JSON object)")
+        raise PipelineError(f"--update: {out} holds no earlier result (a JSON object)")
     drafters = earlier.get("drafters", {})
     if not isinstance(drafters, dict) or not all(isinstance(outcome, dict) for outcome in drafters.values()):
-        raise SystemExit(f"--update: {out}: 'drafters' must map each drafter to its result (a JSON object)")
+        raise PipelineError(f"--update: {out}: 'drafters' must map each drafter to its result (a JSON object)")
     differing = [key for key in SETTINGS if earlier.get(key) != settings[key]]
     if differing:
-        raise SystemExit(f"--update: {out} was measured with other {differing}; rerun every drafter instead")
+        raise PipelineError(f"--update: {out} was measured with other {differing}; rerun every drafter instead")
     return earlier
 
 
@@ -561,7 +557,7 @@ def main() -> None:
     root = Path(args.root).expanduser().resolve()
     missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
     if missing or not list(root.glob("stores/*/manifest.json")):
-        raise SystemExit(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']})")
+        raise PipelineError(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']})")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-versus-speculators"
     # Before any work folder is emptied (fresh_root): never one holding --root, and overrides that compose.
     check_work(root, work, [f"ours-{algorithm}" for algorithm in args.drafters])
@@ -590,4 +586,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PipelineError as error:  # bad input: one line and exit 2, as the jobs print it (pipeline/runner.py)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -152,10 +152,16 @@ def load_verifier_config(verifier_path: str) -> Any:
     """The verifier's text-model config (a transformers PretrainedConfig: model_type, num_hidden_layers,
     hidden_size, vocab_size, ...), whichever checkpoint holds it: for a multimodal one its ``text_config``, with
     the checkpoint's own ``architectures`` (what vLLM and the export name as the verifier). Raises PipelineError
-    for an unsupported family; OSError from transformers when the path holds no config."""
+    for an unsupported family or a config.json whose fields transformers refuses; OSError from transformers when
+    the path holds no config."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(verifier_path)
+    try:
+        config = AutoConfig.from_pretrained(verifier_path)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as error:  # fields transformers refuses
+        raise PipelineError(f"verifier.path: the config.json of '{verifier_path}' is not one transformers accepts "
+                            f"({type(error).__name__}: {first_line(error)[:300]})") from None
     text = config.get_text_config(decoder=True)
     if text is not config:
         text = copy.deepcopy(text)

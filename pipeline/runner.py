@@ -6,6 +6,7 @@ import logging
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig
@@ -42,6 +43,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     ctx = Context.create(cfg, track=False)
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
+    check_input_files(cfg, stages)
     ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
     results: dict[str, Any] = {}
     times = StageTimes()
@@ -56,6 +58,33 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
             log.info("%s", times.table(job))
             _log_times(ctx, {TOTAL_METRIC: times.total}, strict=completed)
     return results
+
+
+def check_input_files(cfg: DictConfig, stages: list[str]) -> None:
+    """The files this job's stages read that the config names, checked before any stage (validate cannot: on a
+    cluster they live on its shared mount, not where the manifests are rendered): a jsonl/parquet prompt file, the
+    file of each eval set evaluated, a training.resume_from folder, and the trained drafter a job evaluates or
+    exports without training it. Raises PipelineError naming the field or the stage."""
+    from pipeline.data.prompts import prompt_file
+    from pipeline.evaluation.eval_sets import set_config
+    from pipeline.paths import StagePaths
+
+    if {"prompts", "evaluate"} & set(stages) and cfg.data.source in ("jsonl", "parquet"):
+        prompt_file(cfg.data)
+    if "evaluate" in stages:
+        for name in cfg.evaluation.datasets:
+            if name in cfg.evaluation.sets:
+                definition = set_config(name, cfg.evaluation)
+                if definition.source in ("jsonl", "parquet"):
+                    prompt_file(definition, f"evaluation.sets.{name}.path")
+    resume_from = cfg.training.resume_from
+    if "train" in stages and resume_from and not Path(str(resume_from)).expanduser().is_dir():
+        raise PipelineError(f"training.resume_from: '{resume_from}' is not a checkpoint folder (no such folder)")
+    reads_checkpoint = {"evaluate", "export"} & set(stages)
+    checkpoint = StagePaths(cfg).final_checkpoint
+    if reads_checkpoint and "train" not in stages and not (checkpoint / "spec.json").is_file():
+        raise PipelineError(f"{min(reads_checkpoint)}: no trained drafter at {checkpoint}; run jobs/train.py with "
+                            "this config first")
 
 
 def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> None:
@@ -141,7 +170,8 @@ URI_IN_OVERRIDE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"()\[\]]*")
 def refuse_credentials_in_overrides(arguments: list[str]) -> None:
     """A URI with credentials in a command-line override, refused before Hydra starts: under `-m` Hydra logs each
     job's overrides and saves them (multirun.yaml) before any job runs its own checks (validate). Each URI of a
-    value is checked, a sweep's too (`key=uri1,uri2`). Raises PipelineError naming the key."""
+    value is checked, a sweep's too (`key=uri1,uri2`); an empty paths.root too (Hydra's run folder goes under it).
+    Raises PipelineError naming the key."""
     from pipeline.tracking import refuse_credentials
 
     for argument in arguments:
@@ -149,6 +179,9 @@ def refuse_credentials_in_overrides(arguments: list[str]) -> None:
         if assigned and not key.startswith("-"):
             for uri in URI_IN_OVERRIDE.findall(value):
                 refuse_credentials(uri, key.lstrip("+~"))
+            # Hydra makes its run folder under paths.root before validate: an empty one is the filesystem's root
+            if key.lstrip("+") == "paths.root" and not value.strip("'\" "):
+                raise PipelineError("paths.root: must name a folder (it is empty)")
 
 
 def _raised_making_hydras_run_folder(error: OSError) -> bool:
@@ -178,14 +211,13 @@ def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
     with nothing logged leaves nothing behind. A folder holding any logged line stays, as do paths.root itself
     and any folder that is not empty."""
     import shutil
-    from pathlib import Path
 
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():  # called as a library (tests, benchmarks): Hydra made no folder
         return
     folder = Path(HydraConfig.get().runtime.output_dir).resolve()
-    root = Path(cfg.paths.root).resolve()
+    root = Path(cfg.paths.root).expanduser().resolve()
     if root not in folder.parents or any(p.is_file() and p.stat().st_size for p in folder.rglob("*")):
         return
     shutil.rmtree(folder, ignore_errors=True)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Collection, Iterable
 import torch
 from filelock import FileLock
 
-from pipeline.errors import PipelineError, read_json
+from pipeline.errors import PipelineError, first_line, read_json
 from pipeline.fsutil import atomic_folder, safetensors_is_whole
 from pipeline.paths import chat_additions
 
@@ -384,9 +384,13 @@ def verifier_stop_token_ids(verifier_path: str, tokenizer: Any) -> tuple[int, ..
     without generation_config.json stops on its tokenizer's eos alone, as vLLM and transformers do."""
     from transformers import GenerationConfig
 
+    written = Path(verifier_path) / "generation_config.json"
     try:
         generation_config = GenerationConfig.from_pretrained(verifier_path)
-    except OSError:  # no generation_config.json
+    except (OSError, ValueError) as error:  # no generation_config.json, or one transformers cannot read
+        if written.is_file():  # there but damaged: its stop ids would be silently dropped
+            raise PipelineError(f"verifier.path: '{written}' cannot be read ({type(error).__name__}: "
+                                f"{first_line(error)[:200]}); its stop token ids decide where answers end") from None
         generation_config = None
     return stop_token_ids(tokenizer, generation_config)
 

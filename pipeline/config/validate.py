@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
@@ -107,6 +108,7 @@ def validate(cfg: DictConfig) -> None:
     resolved = _resolved(cfg)  # an interpolation that cannot resolve is named before any check reads its field
     _check_nothing_missing(cfg)
 
+    _validate_output_paths(cfg)
     _require_path(cfg.data, "data")
     if cfg.data.source in WRITTEN_BY_THE_VERIFIER:
         check_synthetic_config(cfg.data.synthetic, "data.synthetic")
@@ -173,6 +175,29 @@ def _validate_drafter(drafter: DictConfig, drafters: dict) -> None:
     options = OmegaConf.to_object(drafter)
     assert isinstance(options, schema)  # the type check above: its own structured schema
     options.validate()
+
+
+# Where the pipeline writes: folders it makes, and the one file it writes outside a stage folder.
+OUTPUT_FOLDERS = ("paths.root", "paths.cache", "verifier.cache_dir", "cluster.storage_path")
+OUTPUT_FILES = ("serving.serve_config_path",)
+
+
+def _validate_output_paths(cfg: DictConfig) -> None:
+    """A folder the pipeline writes into that is a file (or lies under one), or the file it writes that is a
+    folder, fails only when a stage first writes there, as an OSError; an empty paths.root would write at the
+    filesystem's root and the working folder."""
+    _require(str(cfg.paths.root).strip() != "", "paths.root: must name a folder (it is empty)")
+    for field in (*OUTPUT_FOLDERS, *OUTPUT_FILES):
+        value = str(OmegaConf.select(cfg, field))
+        if "://" in value:  # a remote storage_path (s3://, gs://): Ray Train writes it, not this machine
+            continue
+        path = Path(value).expanduser()
+        if field in OUTPUT_FOLDERS:
+            _require(not path.exists() or path.is_dir(), f"{field}: '{path}' is a file, not a folder")
+        else:
+            _require(not path.is_dir(), f"{field}: '{path}' is a folder, not the file to write")
+        blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+        _require(blocking is None, f"{field}: '{blocking}' above '{path}' is a file, not a folder")
 
 
 def _require_path(prompt_set: Any, field: str) -> None:
@@ -352,6 +377,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _validate_serving(serving: DictConfig) -> None:
     for key in ("port", "metrics_port"):
         _require(1 <= serving[key] <= 65535, f"serving.{key}: must be a TCP port (1..65535)")
@@ -361,6 +389,10 @@ def _validate_serving(serving: DictConfig) -> None:
     _require(serving.num_speculative_tokens is None or serving.num_speculative_tokens >= 1,
              "serving.num_speculative_tokens: must be >= 1 (or null for the evaluation's recommended K)")
     _require(serving.max_request_bytes >= 1024, "serving.max_request_bytes: must be >= 1024")
+    # A name, never the key: the value goes into params, the Serve config and the manifests' command lines as is.
+    _require(serving.api_key_env is None or ENV_NAME.fullmatch(str(serving.api_key_env)) is not None,
+             "serving.api_key_env: must name the environment variable holding the API key (letters, digits and _, "
+             "e.g. SPECULATOR_API_KEY), not hold the key; the value given is not repeated here")
     _require(_is_loopback(serving.host) or bool(serving.api_key_env),
              f"serving.host: '{serving.host}' reaches beyond this machine; set serving.api_key_env to the variable "
              "holding an API key (or bind to 127.0.0.1)")

@@ -67,6 +67,17 @@ def _parquet_rows(path: Path) -> datasets.Dataset:
         raise PipelineError(f"data.path: cannot read '{path}' as parquet: {error}") from error
 
 
+def prompt_file(data_cfg: Any, field: str = "data.path") -> Path:
+    """The local prompt file of a jsonl or parquet source (data, or an eval set's definition). Raises PipelineError
+    naming `field` when it is missing, a folder or not a regular file."""
+    path = Path(str(data_cfg.path)).expanduser()
+    if not path.is_file():
+        problem = ("is a folder, not a file" if path.is_dir() else
+                   "is not a regular file" if path.exists() else "does not exist")
+        raise PipelineError(f"{field}: prompt file '{path}' {problem}")
+    return path
+
+
 def _numbered(rows: Iterable[dict], label: str) -> Iterable[tuple[str, dict]]:
     return ((f"{label} row {index}", row) for index, row in enumerate(rows))
 
@@ -88,12 +99,9 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
         _, prompt_field = OFFLINE_ROW_FIELDS
         return list(_numbered(({prompt_field: prompt} for prompt in prompts), f"data.source '{source}'"))
     if source in ("jsonl", "parquet"):
-        path = Path(str(data_cfg.path)).expanduser()
-        if not path.is_file():
-            problem = ("is a folder, not a file" if path.is_dir() else
-                       "is not a regular file" if path.exists() else "does not exist")
-            raise PipelineError(f"data.path: prompt file '{path}' {problem}")
-        rows = list(read_jsonl(path)) if source == "jsonl" else list(_numbered(_parquet_rows(path), f"'{path}'"))
+        path = prompt_file(data_cfg)
+        rows = list(read_jsonl(path)) if source == "jsonl" else list(_numbered(_parquet_rows(path),
+                                                                               f"data.path: '{path}'"))
         if not rows:
             raise PipelineError(f"data.path: the prompt file '{path}' is empty")
         return rows

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -42,8 +42,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"data.path: line {number} of '{path}'"
-            try:
-                line = raw.decode("utf-8")
+            try:  # a byte-order mark before the first line, as some editors save UTF-8, is not part of the row
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 raise PipelineError(f"{where} is not valid UTF-8 ({error.reason} at byte {error.start})") from None
             if not line.strip():
@@ -54,9 +54,22 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
                 raise PipelineError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
             except RecursionError:
                 raise PipelineError(f"{where} is JSON nested too deeply to read") from None
+            except ValueError as error:  # e.g. an integer past Python's digit limit
+                raise PipelineError(f"{where} is JSON Python cannot read ({first_line(error)[:120]})") from None
             if not isinstance(row, dict):
                 raise PipelineError(f"{where} is a JSON {_kind(row)}, not an object with a prompt or messages")
+            _check_encodable(row, where)
             yield where, row
+
+
+def _check_encodable(row: dict, where: str) -> None:
+    """A \\ud800-style escape decodes to a lone UTF-16 surrogate, which no tokenizer, hash or Parquet file takes:
+    refused by its line like bytes that are not UTF-8."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PipelineError(f"{where} holds a lone UTF-16 surrogate escape ({error.object[error.start:error.end]!a}), "
+                            "not text") from None
 
 
 def _text_parts(parts: list, field: str, where: str) -> str:

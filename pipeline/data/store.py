@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, first_line
 from pipeline.fsutil import atomic_write_text, publish, safetensors_is_whole
 from pipeline.integrity import sha256_file
 
@@ -134,16 +134,24 @@ def check_shard_whole(path: Path) -> None:
 
 
 def read_shard_entry(path: Path) -> dict:
+    """A shard's manifest entry, read from its own header. Raises PipelineError naming a shard that is damaged or
+    that this pipeline did not write (no sample ids, no offsets)."""
+    from safetensors import SafetensorError
+
     check_shard_whole(path)
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata()
-        offsets = handle.get_tensor("offsets")
-    return {
-        "file": path.name,
-        "sha256": sha256_file(path),
-        "sample_ids": json.loads(metadata["sample_ids"]),
-        "num_tokens": int(offsets[-1]),
-    }
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata()
+            offsets = handle.get_tensor("offsets")
+        sample_ids = json.loads(metadata["sample_ids"])
+        num_tokens = int(offsets[-1])
+    except (SafetensorError, KeyError, TypeError, IndexError, ValueError) as error:  # JSONDecodeError too
+        raise PipelineError(f"store: shard '{path}' is not one this pipeline wrote ({type(error).__name__}: "
+                            f"{first_line(error)}); delete it and rerun to capture its samples again") from None
+    if not (isinstance(sample_ids, list) and all(isinstance(i, str) for i in sample_ids)):
+        raise PipelineError(f"store: shard '{path}' is not one this pipeline wrote (its sample_ids are not a list of "
+                            "ids); delete it and rerun to capture its samples again")
+    return {"file": path.name, "sha256": sha256_file(path), "sample_ids": sample_ids, "num_tokens": num_tokens}
 
 
 def scan_shards(store_dir: Path, known: dict[str, dict] | None = None) -> list[dict]:
@@ -168,8 +176,9 @@ def load_manifest(store_dir: Path) -> dict | None:
         return None
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PipelineError(f"store: manifest '{path}' is not JSON ({error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise PipelineError(f"store: manifest '{path}' is not JSON ({reason})") from None
     _check_manifest(manifest, path)
     return manifest
 

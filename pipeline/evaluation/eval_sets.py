@@ -53,8 +53,11 @@ def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[di
     definition = set_config(name, eval_cfg)
     try:
         prompts = load_prompts(definition, writer)
-    except PipelineError as error:
-        raise PipelineError(f"evaluation.sets.{name}: {error}") from error
+    except PipelineError as error:  # the reader names data's fields: here they are the set's own
+        message = str(error)
+        field = f"evaluation.sets.{name}"
+        raise PipelineError(f"{field}.{message[len('data.'):]}" if message.startswith("data.")
+                            else f"{field}: {message}") from error
     except Exception as error:  # the hub raises connection errors of many types when offline
         raise PipelineError(f"evaluation.sets.{name}: cannot load {definition.path or name} "
                             f"({type(error).__name__}: {first_line(error)[:200]})") from error

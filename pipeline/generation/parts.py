@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipeline.errors import PipelineError, first_line
 from pipeline.fsutil import publish
 
 PART_GLOB = "part-*.parquet"
@@ -37,7 +38,24 @@ def read_parts(folder: Path) -> pd.DataFrame:
     paths = sorted(folder.glob(PART_GLOB)) if folder.is_dir() else []
     if not paths:
         return pd.DataFrame(columns=COLUMNS)
-    return pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True)
+    return pd.concat([_read_part(p) for p in paths], ignore_index=True)
+
+
+def _read_part(path: Path) -> pd.DataFrame:
+    """One part's rows; a part that is not Parquet or lacks a column (damaged after it was renamed into place, or
+    not written here) is a PipelineError naming it."""
+    import pyarrow
+
+    try:
+        rows = pd.read_parquet(path)
+    except (OSError, pyarrow.ArrowException) as error:
+        raise PipelineError(f"regenerate: part '{path}' is damaged ({type(error).__name__}: {first_line(error)}); "
+                            "delete it and rerun to regenerate its batch") from None
+    missing = [column for column in COLUMNS if column not in rows.columns]
+    if missing:
+        raise PipelineError(f"regenerate: part '{path}' lacks the columns {missing}; delete it and rerun to "
+                            "regenerate its batch")
+    return rows
 
 
 def remove_stale_parts(folder: Path) -> None:

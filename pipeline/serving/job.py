@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig
 
 from pipeline.context import Context
-from pipeline.errors import first_line
+from pipeline.errors import PipelineError, first_line
 from pipeline.export.stage import registered_model_name
 from pipeline.fsutil import atomic_write_text
 from pipeline.serving.app import build_app, llm_config, serve_config, speculator_source, with_speculator
@@ -120,6 +120,19 @@ def serve(ctx: Context) -> dict:
     return result
 
 
+def _check_registry_exists(cfg: DictConfig) -> None:
+    """With no tracking URI configured the speculator is resolved from the local store under paths.root: when
+    there is none, no pipeline has registered one here, and opening it would only create an empty store."""
+    import os
+
+    if not cfg.serving.speculative or cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    store = Path(cfg.paths.root).expanduser().resolve() / "mlflow" / "mlflow.db"
+    if not store.is_file():
+        raise PipelineError(f"serving.model: no MLflow store at {store} to resolve '{model_uri(cfg)}' from; run "
+                            "the pipeline with this paths.root first, or set tracking.tracking_uri")
+
+
 def run_serve(cfg: DictConfig) -> int:
     """Entry point for jobs/serve.py."""
     from pipeline.config import validate
@@ -127,6 +140,7 @@ def run_serve(cfg: DictConfig) -> int:
 
     def validated_serve() -> None:
         validate(cfg)
+        _check_registry_exists(cfg)
         serve(Context.create(cfg))
 
     code = run_guarded(validated_serve)

@@ -114,12 +114,16 @@ def check_server_reachable(uri: str, field: str, timeout_s: float = 10.0) -> Non
 
 
 def check_sqlite_file(uri: str, field: str) -> None:
-    """A `sqlite:///<path>` store whose path exists but is not a regular file (a folder, a device) is a PipelineError
-    naming `field` at once; SQLAlchemy would retry it for about two minutes before its own traceback. A path that does
-    not exist yet is MLflow's to create."""
+    """A `sqlite:///<path>` store whose path is relative, or exists but is not a regular file (a folder, a device),
+    is a PipelineError naming `field` at once; SQLAlchemy would retry a folder for about two minutes before its own
+    traceback. A path that does not exist yet is MLflow's to create."""
     if not uri.startswith("sqlite:///"):
         return
     path = Path(uri[len("sqlite:///"):].split("?", 1)[0]).expanduser()
+    if not path.is_absolute():  # relative to whichever folder each process starts in; MLflow then fails after
+        # creating it, on the artifact location beside it
+        raise PipelineError(f"{field}: '{uri}' names a path relative to the working folder; give an absolute one "
+                            "(sqlite:////abs/path/mlflow.db, four slashes)")
     if path.exists() and not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file"
         raise PipelineError(f"{field}: '{uri}' names '{path}', which is {kind}, not an SQLite database file")

@@ -193,6 +193,7 @@ GOOD_SHARD = {"file": "shard-0123456789abcdef.safetensors", "sha256": "0" * 64, 
 GOOD_MANIFEST = {"layer_ids": [1], "shards": [GOOD_SHARD], "num_samples": 1, "num_tokens": 3, "bytes": 10}
 MANIFESTS = [
     ("not_json", "{shards: [", "is not JSON"),
+    ("nested_too_deeply", "[" * 100_000 + "]" * 100_000, "is not JSON (nested too deeply)"),
     ("a_list", [], "must be a JSON object"),
     ("no_shards", {"layer_ids": [1]}, "'shards' must be a list"),
     ("no_layers", {"shards": []}, "'layer_ids' must be a list of layer numbers"),
@@ -300,6 +301,14 @@ def test_a_secret_in_a_multirun_override_is_refused_before_hydra_logs_or_saves_i
     assert not any(tmp_path.iterdir())
 
 
+def test_an_empty_paths_root_is_refused_before_hydra_makes_its_run_folder(tmp_path):
+    existed = Path("/hydra").exists()
+    result = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "paths.root="], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and result.stderr.strip() == "error: paths.root: must name a folder (it is empty)"
+    assert Path("/hydra").exists() == existed and not any(tmp_path.iterdir())
+
+
 def test_a_refused_job_leaves_no_hydra_run_folder_but_keeps_another_runs(tmp_path):
     earlier = tmp_path / "hydra" / "2026-01-01" / "00-00-00"
     earlier.mkdir(parents=True)
@@ -344,14 +353,17 @@ UNUSABLE_TRACKING_URIS = [
     ("sqlite:///{tmp}", r"'sqlite:///.*' names '.*', which is a folder, not an SQLite database file"),
     ("sqlite:////dev/null", r"'sqlite:////dev/null' names '/dev/null', which is not a regular file, not an SQLite "
                             r"database file"),
+    # relative to the working folder: MLflow made the database there, then failed on the artifact location
+    ("sqlite:///relative.db", r"'sqlite:///relative\.db' names a path relative to the working folder"),
 ]
 
 
 @pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS,
                          ids=["file", "path", "scheme", "no_server", "no_host", "ipv6", "port", "driver", "sqlite",
-                              "sqlite_folder", "sqlite_device"])
+                              "sqlite_folder", "sqlite_device", "sqlite_relative"])
 def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, message, tmp_path, capsys, monkeypatch):
     uri = uri.format(tmp=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where a relative database would land
     (tmp_path / "a_file").write_text("not a folder")
     for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):  # the server is reached directly
         monkeypatch.delenv(proxy, raising=False)
@@ -362,6 +374,7 @@ def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, mess
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the same URI from the environment names the variable
     assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
     assert re.fullmatch(r"error: MLFLOW_TRACKING_URI: " + message + ".*", _error_line(capsys))
+    assert not (tmp_path / "relative.db").exists()
 
 
 def test_a_tracking_server_that_does_not_answer_is_named_before_the_verifier_is_read(tmp_path, capsys, monkeypatch):
@@ -610,3 +623,36 @@ def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, t
     aside = _set_aside(final, PipelineError("checkpoint: NOTES.txt was not written with this checkpoint"))
     assert not final.exists() and aside.parent == final.parent and aside.name.startswith("final.damaged-")
     assert sorted(p.relative_to(aside).as_posix() for p in aside.rglob("*")) == before
+
+
+@pytest.mark.parametrize("job, extra, message", [
+    ("generate", ["data.path={missing}"], r"data\.path: prompt file '.*missing\.jsonl' does not exist"),
+    ("evaluate", ["data.path={folder}"], r"data\.path: prompt file '.*folder' is a folder, not a file"),
+    ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{missing}'}}"],
+     r"evaluation\.sets\.mine\.path: prompt file '.*missing\.jsonl' does not exist"),
+    ("train", ["training.resume_from={missing}"], r"training\.resume_from: '.*missing\.jsonl' is not a checkpoint "
+                                                  r"folder \(no such folder\)"),
+    ("evaluate", [], r"evaluate: no trained drafter at '?.*/final'?; run jobs/train\.py with this config first"),
+], ids=["prompt file", "prompt folder", "eval set file", "resume_from", "no checkpoint"])
+def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, message, tmp_path, tiny_verifier_path,
+                                                                   prompts_jsonl, capsys):
+    """Each was refused only inside its stage: after MLflow's store, the stage locks, the prompts the evaluate job
+    wrote first and (in a whole pipeline) regeneration, capture and training."""
+    root = tmp_path / "out"
+    names = {"missing": tmp_path / "missing.jsonl", "folder": tmp_path / "folder"}
+    names["folder"].mkdir()
+    cfg = compose(tiny_overrides(root, tiny_verifier_path, prompts_jsonl) + [e.format(**names) for e in extra])
+    assert run_job(cfg, job) == 2
+    assert re.fullmatch(f"error: {message}", _error_line(capsys))
+    assert not root.exists() or not any(root.iterdir())
+
+
+def test_serving_with_no_store_to_resolve_from_creates_none(tmp_path, capsys, monkeypatch):
+    from pipeline.serving.job import run_serve
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for model in ([], ["serving.model=runs:/deadbeef/speculator"]):
+        assert run_serve(compose([f"paths.root={tmp_path}", *model])) == 2
+        assert re.fullmatch(r"error: serving\.model: no MLflow store at .*mlflow\.db to resolve '(models|runs):/.*' "
+                            r"from; .*", _error_line(capsys))
+    assert not any(tmp_path.iterdir())

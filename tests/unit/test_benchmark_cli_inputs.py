@@ -84,6 +84,7 @@ def test_the_feed_benchmark_checks_the_store_as_training_does(tmp_path):
                                                      "num_tokens": 3, "bytes": 10}))
     result = _cli("benchmarks/training.py", "feed", "--root", str(tmp_path), cwd=tmp_path)
     _one_line(result, f"--root {tmp_path}: store: shard '{store / shard['file']}' listed in the manifest is missing")
+    assert result.returncode == 2 and result.stderr.startswith("error: --root ")  # as the jobs print bad input
 
 
 @pytest.mark.parametrize("damage, expected", [

@@ -104,6 +104,37 @@ def test_semantic_validation_names_the_field(override, field):
         validate(compose([override]))
 
 
+@pytest.mark.parametrize("field, make, message", [
+    ("verifier.cache_dir", "file", "is a file, not a folder"),
+    ("paths.cache", "under_file", "above '{path}' is a file, not a folder"),
+    ("cluster.storage_path", "file", "is a file, not a folder"),
+    ("serving.serve_config_path", "folder", "is a folder, not the file to write"),
+])
+def test_a_place_the_pipeline_writes_that_cannot_take_it_is_refused_before_any_stage(tmp_path, field, make,
+                                                                                      message):
+    """Each failed only when a stage first wrote there: a FileExistsError, an IsADirectoryError."""
+    blocker = tmp_path / "blocker"
+    if make == "folder":
+        blocker.mkdir()
+        path = blocker
+    else:
+        blocker.write_text("a file")
+        path = blocker / "inside" if make == "under_file" else blocker
+    with pytest.raises(PipelineError, match=rf"^{re.escape(field)}: '.*' {re.escape(message.format(path=path))}"):
+        validate(compose([f"paths.root={tmp_path / 'out'}", f"{field}={path}"]))
+    with pytest.raises(PipelineError, match=r"^paths\.root: must name a folder \(it is empty\)"):
+        validate(compose(["paths.root=''"]))
+
+
+@pytest.mark.parametrize("value", ["sk-live-0123456789abcdef", "'MY KEY'", "''", "1ST_KEY"])
+def test_an_api_key_env_that_is_no_variable_name_is_refused_without_repeating_it(value):
+    """The value goes into params, the Serve config and the manifests as is: a key given by mistake must not."""
+    with pytest.raises(PipelineError, match=r"^serving\.api_key_env: must name the environment variable") as error:
+        validate(compose([f"serving.api_key_env={value}"]))
+    assert value.strip("'") not in str(error.value) or not value.strip("'")
+    validate(compose(["serving.api_key_env=SPECULATOR_API_KEY"]))
+
+
 @pytest.mark.parametrize("drafter,option", [
     ("eagle3", "markov_rank=8"),  # DSpark's
     ("eagle3", "mask_token_id=3"),  # P-EAGLE's

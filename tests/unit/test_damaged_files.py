@@ -73,6 +73,38 @@ def test_a_truncated_or_stray_shard_is_never_counted_as_captured(tmp_path):
         scan_shards(tmp_path)
 
 
+@pytest.mark.parametrize("tensors, metadata", [({"x": torch.zeros(2)}, None),
+                                               ({"offsets": torch.tensor([0, 3])}, {"sample_ids": "not json"}),
+                                               ({"x": torch.zeros(2)}, {"sample_ids": "[\"a\"]"}),
+                                               ({"offsets": torch.tensor([0, 3])}, {"sample_ids": "[1]"})],
+                         ids=["no metadata", "ids not json", "no offsets", "ids not strings"])
+def test_a_foreign_shard_in_the_store_folder_is_one_line_naming_it(tmp_path, tensors, metadata):
+    from pipeline.data.store import scan_shards
+
+    stray = tmp_path / "shard-00000000000000dd.safetensors"
+    save_file(tensors, str(stray), metadata=metadata)
+    with pytest.raises(PipelineError, match=rf"^store: shard '{stray}' is not one this pipeline wrote .*delete it"):
+        scan_shards(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other columns"])
+def test_a_damaged_regeneration_part_is_one_line_naming_it(tmp_path, damage):
+    import pandas as pd
+
+    from pipeline.generation.parts import read_parts, write_part
+
+    rows = [{"sample_id": "a", "messages_json": "[]", "input_ids": [1, 2], "loss_mask": [0, 1], "skip_reason": None,
+             "truncated": False}]
+    part = tmp_path / write_part(tmp_path, rows)
+    assert list(read_parts(tmp_path)["sample_id"]) == ["a"]
+    if damage == "truncated":
+        part.write_bytes(part.read_bytes()[:40])
+    else:
+        pd.DataFrame({"x": [1]}).to_parquet(part)
+    with pytest.raises(PipelineError, match=rf"^regenerate: part '{part}' (is damaged|lacks the columns).*delete it"):
+        read_parts(tmp_path)
+
+
 def _sealed_checkpoint(folder: Path, weights: bytes) -> Path:
     from pipeline.integrity import seal
 
@@ -160,3 +192,38 @@ def test_a_regeneration_record_that_is_not_an_object_is_one_line_naming_the_file
     ctx = SimpleNamespace(paths=SimpleNamespace(regenerated=tmp_path))
     with pytest.raises(PipelineError, match=rf"^capture: '{tmp_path / REGENERATION_INFO}' holds \w+, not the "):
         _check_regenerated_tokenizer(ctx, "fingerprint")
+
+
+@pytest.mark.parametrize("change", [{"num_hidden_layers": "six"}, {"layer_types": ["full_attention"]}],
+                         ids=["layer count as text", "layer types of another depth"])
+def test_a_verifier_config_transformers_refuses_is_one_line_naming_verifier_path(tmp_path, tiny_verifier_path, change):
+    import shutil
+
+    from pipeline.families import load_verifier_config
+
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_path, verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(PipelineError, match=rf"^verifier\.path: the config\.json of '{verifier}' is not one "
+                                            "transformers accepts"):
+        load_verifier_config(str(verifier))
+
+
+def test_a_damaged_generation_config_is_named_not_read_as_absent(tmp_path, tiny_verifier_path):
+    """Its eos ids are stop ids: read as absent, a verifier that ends turns on two ids silently stopped on one."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from pipeline.verifier import verifier_stop_token_ids
+
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_path, verifier)
+    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    (verifier / "generation_config.json").write_text('{"eos_token_id": [1, 2')
+    with pytest.raises(PipelineError, match=rf"^verifier\.path: '{verifier / 'generation_config.json'}' cannot be "
+                                            "read"):
+        verifier_stop_token_ids(str(verifier), tokenizer)
+    (verifier / "generation_config.json").unlink()  # absent: the tokenizer's eos alone, as vLLM does
+    assert verifier_stop_token_ids(str(verifier), tokenizer) == (tokenizer.eos_token_id,)

@@ -402,7 +402,7 @@ def test_dflash_trains_with_dpace_weights(target):
     model = tiny_drafter("dflash")
     samples = tiny_samples()
     options = tiny_options("dflash", distill_target=target, position_weighting="dpace", dpace_alpha=0.5)
-    default = model.training_loss(samples, tiny_options("dflash", distill_target=target),
+    default = model.training_loss(samples, tiny_options("dflash", distill_target=target, position_weighting="decay"),
                                   torch.Generator().manual_seed(0))[0]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []

@@ -53,7 +53,7 @@ def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
 def test_an_unreadable_eval_set_names_itself(tmp_path):
     cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
         "name": "t", "datasets": ["gone"], "sets": {"gone": {"source": "jsonl", "path": str(tmp_path / "no.jsonl")}}})
-    with pytest.raises(PipelineError, match="evaluation.sets.gone: data.path: .*does not exist"):
+    with pytest.raises(PipelineError, match="^evaluation\\.sets\\.gone\\.path: .*does not exist"):
         eval_sets(cfg, [], set())
 
 

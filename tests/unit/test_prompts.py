@@ -143,6 +143,24 @@ def test_a_non_utf8_line_is_named(tmp_path):
         load_prompts(data_cfg(path=str(path)))
 
 
+@pytest.mark.parametrize("line, message", [
+    (b'{"prompt": "\\ud800 lone"}', r"line 2 of .*odd\.jsonl' holds a lone UTF-16 surrogate escape \('\\ud800'\)"),
+    (b'{"prompt": "n", "n": ' + b"1" * 5000 + b"}", r"line 2 of .*odd\.jsonl' is JSON Python cannot read"),
+], ids=["lone surrogate", "integer past the digit limit"])
+def test_a_json_line_python_reads_but_cannot_use_is_named(tmp_path, line, message):
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n' + line + b"\n")
+    with pytest.raises(PipelineError, match=message):
+        load_prompts(data_cfg(path=str(path)))
+
+
+def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "first"}\n{"prompt": "second"}\n')
+    assert [p["messages"][-1]["content"] for p in load_prompts(data_cfg(path=str(path), num_train=1, num_eval=1))
+            ] == ["first", "second"]
+
+
 def test_empty_conversations_are_skipped_and_reported(tmp_path, caplog):
     from tests.conftest import write_jsonl
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.versus_speculators import earlier_result, orthogonalize_in_fp32, record, their_batch
+from pipeline.errors import PipelineError
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
@@ -104,7 +105,7 @@ def test_update_keeps_other_records_and_never_replaces_a_measurement_with_a_fail
     assert earlier["drafters"]["peagle"]["last_error"] == "RuntimeError: boom"
     record(earlier, "dflash", {"error": "RuntimeError: boom"})  # nothing measured before: the failure is the result
     assert earlier["drafters"]["dflash"] == {"error": "RuntimeError: boom"}
-    with pytest.raises(SystemExit, match="steps"):
+    with pytest.raises(PipelineError, match="steps"):
         earlier_result(out, {**settings, "steps": 4})
 
 
@@ -116,6 +117,6 @@ def test_update_keeps_other_records_and_never_replaces_a_measurement_with_a_fail
 def test_update_refuses_a_file_it_cannot_add_to_in_one_line(tmp_path, text, message):
     out = tmp_path / "versus.json"
     out.write_text(text)
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(PipelineError) as refused:
         earlier_result(out, {})
     assert message in str(refused.value) and "\n" not in str(refused.value)
