@@ -64,9 +64,14 @@ def _is_entry(entry: object) -> bool:
             and isinstance(entry.get("sha256"), str))
 
 
+def record_paths(folder: Path) -> list[Path]:
+    """The integrity records in `folder`, one per rank that wrote it."""
+    return sorted(Path(folder).glob(f"{RECORD_PREFIX}*.json"))
+
+
 def _records(folder: Path) -> list[dict]:
     records = []
-    for path in sorted(folder.glob(f"{RECORD_PREFIX}*.json")):
+    for path in record_paths(folder):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError):

@@ -56,9 +56,6 @@ def _schema_defaults(schema: type) -> dict:
     return result_settings(OmegaConf.structured(schema), schema)
 
 
-LOCAL_FILE_SOURCES = ("jsonl", "parquet")  # data.path names a file whose bytes are the prompts
-
-
 @functools.lru_cache(maxsize=64)
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     from pipeline.integrity import sha256_file
@@ -66,18 +63,34 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     return sha256_file(Path(path))
 
 
-def prompt_file_digest(source: Any, path: Any) -> str | None:
+def prompt_file_digest(source: Any, path: Any, field: str = "data.path") -> str | None:
     """The sha256 of a local prompt file (data.path, or an eval set's path, for a jsonl or parquet source), so an
     edited file keys new prompts instead of reusing the old ones under its unchanged name. None for other sources
-    and for a path that is not a file yet (reading it is refused by name). Hashed once per file version a process
-    sees (keyed by size and mtime)."""
+    and for a path that is not a file (the job refuses it by name before any stage: runner.check_input_files).
+    Hashed once per file version a process sees (keyed by size and mtime). Raises PipelineError naming `field`
+    for a file that cannot be read."""
+    from pipeline.data.prompts import LOCAL_FILE_SOURCES
+    from pipeline.errors import PipelineError
+
     if str(source) not in LOCAL_FILE_SOURCES or not path:
         return None
     file = Path(str(path)).expanduser()
     if not file.is_file():
         return None
-    status = file.stat()
-    return _file_sha256(str(file.resolve()), status.st_size, status.st_mtime_ns)
+    try:
+        status = file.stat()
+        return _file_sha256(str(file.resolve()), status.st_size, status.st_mtime_ns)
+    except OSError as error:
+        raise PipelineError(f"{field}: prompt file '{file}' cannot be read ({error.strerror or error})") from None
+
+
+def _keyed_by_content(settings: dict, source: Any, field: str) -> dict:
+    """settings with a local prompt file keyed by its bytes instead of where it lies: the same file on a laptop
+    and on a cluster's shared mount selects the same prompts, an edited one new prompts."""
+    digest = prompt_file_digest(source, settings.get("path"), field)
+    if digest:
+        settings = {**settings, "path": None, "path_sha256": digest}
+    return settings
 
 
 def _used_data_settings(data_cfg: Any) -> dict:
@@ -95,13 +108,10 @@ def _used_data_settings(data_cfg: Any) -> dict:
             data.pop(name, None)
         else:
             data[name] = getattr(DataConfig, name)  # a plain default (only `synthetic` has a factory)
-    digest = prompt_file_digest(data.get("source"), data.get("path"))
-    if digest:  # only for a file source: the other sources' keys stay as they were
-        data["path_sha256"] = digest
-    return data
+    return _keyed_by_content(data, data.get("source"), "data.path")  # other sources' keys stay as they were
 
 
-def _used_set_fields(definition: Any) -> Any:
+def _used_set_fields(definition: Any, set_name: str) -> Any:
     """An eval set's definition (a plain dict of EvalSetConfig fields, as written) without the fields its source does
     not read: another value of one decodes the same prompts. The presets write none, so their keys stay."""
     from pipeline.data.prompts import FIELDS_READ_BY
@@ -111,10 +121,7 @@ def _used_set_fields(definition: Any) -> Any:
     source = str(definition.get("source", EvalSetConfig.source))
     used = {name: value for name, value in definition.items()
             if name not in FIELDS_READ_BY or source in FIELDS_READ_BY[name]}
-    digest = prompt_file_digest(source, definition.get("path"))
-    if digest:
-        used["path_sha256"] = digest
-    return used
+    return _keyed_by_content(used, source, f"evaluation.sets.{set_name}.path")
 
 
 def _deepspeed_settings(cfg: DictConfig) -> dict:
@@ -238,7 +245,7 @@ class StagePaths:
         if decoding:
             measured["decoding"] = decoding
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
-        measured["sets"] = {name: _used_set_fields(measured["sets"][name]) for name in cfg.evaluation.datasets
+        measured["sets"] = {name: _used_set_fields(measured["sets"][name], name) for name in cfg.evaluation.datasets
                             if name in measured["sets"]}
         self.evaluation_key = content_key(self.train_key, measured, data)
 

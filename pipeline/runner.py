@@ -65,26 +65,35 @@ def check_input_files(cfg: DictConfig, stages: list[str]) -> None:
     cluster they live on its shared mount, not where the manifests are rendered): a jsonl/parquet prompt file, the
     file of each eval set evaluated, a training.resume_from folder, and the trained drafter a job evaluates or
     exports without training it. Raises PipelineError naming the field or the stage."""
-    from pipeline.data.prompts import prompt_file
+    from pipeline.data.prompts import LOCAL_FILE_SOURCES, prompt_file
     from pipeline.evaluation.eval_sets import set_config
     from pipeline.paths import StagePaths
 
-    if {"prompts", "evaluate"} & set(stages) and cfg.data.source in ("jsonl", "parquet"):
+    if cfg.data.source in LOCAL_FILE_SOURCES:  # every stage's key holds the file's digest (paths.py)
         prompt_file(cfg.data)
     if "evaluate" in stages:
         for name in cfg.evaluation.datasets:
             if name in cfg.evaluation.sets:
                 definition = set_config(name, cfg.evaluation)
-                if definition.source in ("jsonl", "parquet"):
+                if definition.source in LOCAL_FILE_SOURCES:
                     prompt_file(definition, f"evaluation.sets.{name}.path")
+    paths = StagePaths(cfg)
     resume_from = cfg.training.resume_from
-    if "train" in stages and resume_from and not Path(str(resume_from)).expanduser().is_dir():
+    # read only when the run has neither its final checkpoint nor one of its own to continue (training/stage.py)
+    if "train" in stages and resume_from and not (paths.final_checkpoint / "spec.json").is_file() \
+            and not _own_checkpoint_exists(cfg) and not Path(str(resume_from)).expanduser().is_dir():
         raise PipelineError(f"training.resume_from: '{resume_from}' is not a checkpoint folder (no such folder)")
     reads_checkpoint = {"evaluate", "export"} & set(stages)
-    checkpoint = StagePaths(cfg).final_checkpoint
-    if reads_checkpoint and "train" not in stages and not (checkpoint / "spec.json").is_file():
-        raise PipelineError(f"{min(reads_checkpoint)}: no trained drafter at {checkpoint}; run jobs/train.py with "
-                            "this config first")
+    if reads_checkpoint and "train" not in stages and not (paths.final_checkpoint / "spec.json").is_file():
+        raise PipelineError(f"{min(reads_checkpoint)}: no trained drafter at {paths.final_checkpoint}; run "
+                            "jobs/train.py with this config first")
+
+
+def _own_checkpoint_exists(cfg: DictConfig) -> bool:
+    """Whether this config's training left a checkpoint of its own that a rerun continues (before resume_from)."""
+    from pipeline.training.stage import own_latest_checkpoint
+
+    return own_latest_checkpoint(cfg) is not None
 
 
 def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> None:
@@ -165,6 +174,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
 
 
 URI_IN_OVERRIDE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"()\[\]]*")
+USER_INFO = re.compile(r"://[^/\s]*@")  # what lies between a scheme and its host's '@' is a user (and password)
 
 
 def refuse_credentials_in_overrides(arguments: list[str]) -> None:
@@ -179,6 +189,10 @@ def refuse_credentials_in_overrides(arguments: list[str]) -> None:
         if assigned and not key.startswith("-"):
             for uri in URI_IN_OVERRIDE.findall(value):
                 refuse_credentials(uri, key.lstrip("+~"))
+            if USER_INFO.search(value):  # a password with characters that end URI_IN_OVERRIDE's match
+                raise PipelineError(f"{key.lstrip('+~')}: a URI in this override carries credentials (user:password@"
+                                    "host); give them to the service through its environment instead, so they never "
+                                    "reach params, logs or manifests")
             # Hydra makes its run folder under paths.root before validate: an empty one is the filesystem's root
             if key.lstrip("+") == "paths.root" and not value.strip("'\" "):
                 raise PipelineError("paths.root: must name a folder (it is empty)")
@@ -208,23 +222,23 @@ def run_job(cfg: DictConfig, job: str) -> int:
 
 def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
     """Hydra makes its run folder under paths.root, with an empty job log, before any check runs: a job refused
-    with nothing logged leaves nothing behind. A folder holding any logged line stays, as do paths.root itself
-    and any folder that is not empty."""
-    import shutil
-
+    with nothing logged leaves nothing behind. Only this job's empty log goes, then each folder above it that is
+    left empty, up to paths.root (which stays); a logged line, or another job's log, keeps its folder."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():  # called as a library (tests, benchmarks): Hydra made no folder
         return
-    folder = Path(HydraConfig.get().runtime.output_dir).resolve()
+    hydra = HydraConfig.get()
+    folder = Path(hydra.runtime.output_dir).resolve()
     root = Path(cfg.paths.root).expanduser().resolve()
-    if root not in folder.parents or any(p.is_file() and p.stat().st_size for p in folder.rglob("*")):
+    own_log = folder / f"{hydra.job.name}.log"
+    if root not in folder.parents or not own_log.is_file() or own_log.stat().st_size:
         return
-    shutil.rmtree(folder, ignore_errors=True)
-    for parent in folder.parents:  # the date folder, then hydra/, while empty
-        if parent == root:
+    own_log.unlink()  # only this job's: another job started in the same second shares the folder
+    for empty in (folder, *folder.parents):  # the run folder, the date folder, then hydra/, while empty
+        if empty == root:
             break
         try:
-            parent.rmdir()
-        except OSError:  # holds another run's folder
+            empty.rmdir()
+        except OSError:  # holds another run's log or folder
             break

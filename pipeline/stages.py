@@ -69,7 +69,7 @@ def _report(ctx: Context, results: dict) -> dict | None:
     if report is None and (ctx.paths.evaluation / "report.json").is_file():
         report = load_report(ctx.paths.evaluation)
         checkpoint = _final_checkpoint(ctx, results)
-        if not report_is_of(report, checkpoint):  # the checkpoint was made again since: its τ is not this one's
+        if not report_is_of(report, checkpoint, ctx.paths.evaluation / "report.json"):  # made again since
             raise PipelineError(f"evaluate: the report in {ctx.paths.evaluation} was measured on other weights than "
                                 f"those now at {checkpoint}; run the evaluate stage again")
     return report
@@ -105,7 +105,22 @@ def _vllm_eval(ctx: Context, results: dict, run_id: str) -> Any:
     export_dir = Path((results.get("export") or {}).get("path") or ctx.paths.export)
     if not (export_dir / "config.json").is_file():
         raise PipelineError(f"vllm_eval: no exported checkpoint at {export_dir}; run the export stage")
+    if "export" not in results:
+        _check_export_is_of_checkpoint(export_dir, _final_checkpoint(ctx, results))
     return vllm_check.run(ctx, export_dir, report, load_requests(ctx.paths.evaluation))
+
+
+def _check_export_is_of_checkpoint(export_dir: Path, checkpoint: Path) -> None:
+    """An earlier job's export sealed before the checkpoint was (made again after failing its check) holds other
+    weights than those the report measured: vLLM would cross-check, and promote gate, the wrong drafter."""
+    from pipeline.integrity import record_paths
+
+    def sealed(folder: Path) -> float:
+        return max((path.stat().st_mtime for path in record_paths(folder)), default=0.0)
+
+    if sealed(export_dir) < sealed(checkpoint):
+        raise PipelineError(f"vllm_eval: the export at {export_dir} was made before the checkpoint at {checkpoint} "
+                            "was; run the export stage again")
 
 
 def _promote(ctx: Context, results: dict, run_id: str) -> Any:

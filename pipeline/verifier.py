@@ -387,10 +387,11 @@ def verifier_stop_token_ids(verifier_path: str, tokenizer: Any) -> tuple[int, ..
     written = Path(verifier_path) / "generation_config.json"
     try:
         generation_config = GenerationConfig.from_pretrained(verifier_path)
-    except (OSError, ValueError) as error:  # no generation_config.json, or one transformers cannot read
-        if written.is_file():  # there but damaged: its stop ids would be silently dropped
-            raise PipelineError(f"verifier.path: '{written}' cannot be read ({type(error).__name__}: "
-                                f"{first_line(error)[:200]}); its stop token ids decide where answers end") from None
+    except (OSError, ValueError) as error:  # none there, or one transformers cannot read
+        if isinstance(error, ValueError) or written.is_file():  # damaged: its stop ids would be silently dropped
+            raise PipelineError(f"verifier.path: the generation_config.json of '{verifier_path}' cannot be read "
+                                f"({type(error).__name__}: {first_line(error)[:200]}); its stop token ids decide "
+                                "where answers end") from None
         generation_config = None
     return stop_token_ids(tokenizer, generation_config)
 

@@ -31,7 +31,8 @@ VALID_ROLES = ("system", "user", "assistant")
 OFFLINE_SOURCES = ("humaneval", *WRITTEN_BY_THE_VERIFIER)
 # The data fields only some sources read ({field: the sources reading it}); system_prompt, the split sizes and the
 # shuffle seed apply to every source. Another value of a field its source does not read selects the same prompts.
-FILE_SOURCES = ("jsonl", "parquet", "hub")
+LOCAL_FILE_SOURCES = ("jsonl", "parquet")  # data.path names a local file whose bytes are the prompts
+FILE_SOURCES = (*LOCAL_FILE_SOURCES, "hub")
 FIELDS_READ_BY = {"path": FILE_SOURCES, "messages_field": FILE_SOURCES, "prompt_field": FILE_SOURCES,
                   "subset": ("hub",), "split": ("hub",), "synthetic": WRITTEN_BY_THE_VERIFIER}
 # The row fields of the prompts an offline source makes itself (its rows never meet data.messages_field/prompt_field).
@@ -98,7 +99,7 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
             prompts += [row["prompt"] for row in verifier_prompts(data_cfg.synthetic, writer)]
         _, prompt_field = OFFLINE_ROW_FIELDS
         return list(_numbered(({prompt_field: prompt} for prompt in prompts), f"data.source '{source}'"))
-    if source in ("jsonl", "parquet"):
+    if source in LOCAL_FILE_SOURCES:
         path = prompt_file(data_cfg)
         rows = list(read_jsonl(path)) if source == "jsonl" else list(_numbered(_parquet_rows(path),
                                                                                f"data.path: '{path}'"))

@@ -123,8 +123,8 @@ def _requests_of(per_set: dict[str, dict]) -> list[dict]:
 
 
 def _finished_report(folder: Path, checkpoint: Path) -> dict | None:
-    """A complete report of this checkpoint's weights under these settings (the folder is content-addressed by
-    the checkpoint's path and the settings; the weights at that path are told apart by report_is_of)."""
+    """A complete report of this checkpoint's weights under these settings (the folder is keyed by the training's
+    key and the settings; a checkpoint made again under the same key is told apart by report_is_of)."""
     if not (folder / "report.json").is_file() or not (folder / REQUESTS_FILE).is_file():
         return None
     try:
@@ -132,21 +132,30 @@ def _finished_report(folder: Path, checkpoint: Path) -> dict | None:
     except PipelineError as error:  # damaged after it was written (it is renamed into place whole): measure again
         log.warning("evaluate: %s; measuring again", error)
         return None
-    if not report_is_of(report, checkpoint):
+    if not report_is_of(report, checkpoint, folder / "report.json"):
         log.info("evaluate: the report in %s was measured on other weights; measuring again", folder)
         return None
     return report
 
 
-def report_is_of(report: dict, checkpoint: Path) -> bool:
-    """Whether `report` measured the weights now at `checkpoint` (a final checkpoint made again after damage sits
-    at the same path): its path and the digest of its integrity records (integrity.folder_digest)."""
-    if report.get("checkpoint") != str(checkpoint):
-        return False
+def report_is_of(report: dict, checkpoint: Path, written: Path) -> bool:
+    """Whether `report` (read from the file `written`) measured the weights now at `checkpoint`, which may have
+    been made again under the same key after failing its integrity check: the digest of the checkpoint's integrity
+    records (integrity.folder_digest), wherever the root now lies. A report written before reports carried the
+    digest counts when it names this checkpoint, is newer than its records and no checkpoint was set aside
+    beside it since (training/stage.py: _set_aside)."""
+    from pipeline.integrity import record_paths
+
     try:
-        return report.get("checkpoint_digest") == folder_digest(checkpoint)
+        digest = folder_digest(checkpoint)
     except PipelineError:  # no readable records: nothing to tie a report to
         return False
+    if "checkpoint_digest" in report:
+        return report["checkpoint_digest"] == digest
+    records_written = max(path.stat().st_mtime for path in record_paths(checkpoint))
+    set_aside = any(checkpoint.parent.glob(f"{checkpoint.name}.damaged-*"))
+    return report.get("checkpoint") == str(checkpoint) and not set_aside \
+        and written.stat().st_mtime >= records_written
 
 
 def _publish(ctx: Context, report: dict, folder: Path) -> None:
@@ -207,9 +216,9 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
 
 
 # What the later stages read from a report (export's card, vllm_eval, promote's gate, _publish).
-REPORT_FIELDS = ("pooled_tau", "conditional_acceptance", "cumulative_acceptance", "profile", "datasets",
-                 "num_speculative_tokens", "max_new_tokens", "temperature", "greedy_mismatches", "drafter",
-                 "verifier", "checkpoint", "checkpoint_digest", "signature")
+REPORT_FIELDS = ("pooled_tau", "per_request_tau", "drafts_per_step", "conditional_acceptance",
+                 "cumulative_acceptance", "profile", "datasets", "num_speculative_tokens", "max_new_tokens",
+                 "temperature", "greedy_mismatches", "drafter", "verifier", "checkpoint", "signature")
 
 
 def load_report(folder: Path) -> dict:

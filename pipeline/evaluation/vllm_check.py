@@ -157,7 +157,7 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
         log.info("vllm_eval: reusing %s", folder / RESULT_FILE)
     else:
         served = _run_vllm(ctx, export_dir, requests, report)
-        result = {**compare(report, requests, served), "checkpoint_digest": report["checkpoint_digest"]}
+        result = {**compare(report, requests, served), "checkpoint_digest": report.get("checkpoint_digest")}
         if result.get("requests_matching_reference", len(requests)) < len(requests):
             result.update(judge_divergences(ctx, requests, served["speculative"]["tokens"]))
         atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=1))

@@ -163,7 +163,11 @@ def _set_aside(final: Path, problem: PipelineError) -> Path:
     """Rename a final checkpoint that fails its integrity check to a sibling `final.damaged-<UTC time>`, so the run
     makes it again without deleting anything (it may hold a user's own files). Returns the new folder."""
     aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    final.rename(aside)
+    try:
+        final.rename(aside)
+    except OSError as error:
+        raise PipelineError(f"train: the finished checkpoint {final} fails its integrity check ({problem}) and "
+                            f"cannot be moved aside to make it again ({error.strerror or error})") from None
     log.warning("train: the finished checkpoint fails its integrity check (%s); moved to %s and made again",
                 problem, aside)
     return aside
@@ -196,10 +200,18 @@ def _run_name(ctx: Context) -> str:
     return f"train-{ctx.paths.train_key}"
 
 
+def own_latest_checkpoint(cfg) -> Path | None:
+    """The latest complete checkpoint this config's own Ray Train run left under cluster.storage_path (a rerun
+    after a crash continues it), or None."""
+    from pipeline.paths import StagePaths
+
+    storage = Path(cfg.cluster.storage_path).expanduser().resolve()
+    return latest_complete_checkpoint(storage / f"train-{StagePaths(cfg).train_key}")
+
+
 def _resume_from(ctx: Context) -> Path | None:
     """This config's own latest checkpoint (a rerun after a crash continues it), else training.resume_from."""
-    storage = Path(ctx.cfg.cluster.storage_path).expanduser().resolve()
-    own = latest_complete_checkpoint(storage / _run_name(ctx))
+    own = own_latest_checkpoint(ctx.cfg)
     if own is not None:
         return own
     return Path(ctx.cfg.training.resume_from).expanduser().resolve() if ctx.cfg.training.resume_from else None

@@ -291,7 +291,8 @@ def test_a_refused_secret_on_the_command_line_is_written_nowhere(tmp_path):
 
 @pytest.mark.parametrize("override", ["tracking.tracking_uri=https://alice:hunter2@mlflow.example.com",
                                       "tracking.tracking_uri=http://127.0.0.1:5000,http://bob:hunter2@h:5000",
-                                      "+cluster.address=ray://bob:hunter2@head:10001"])
+                                      "+cluster.address=ray://bob:hunter2@head:10001",
+                                      "+cluster.address=ray://bob:hunter2(x@head:10001"])  # ( ends a URI match
 def test_a_secret_in_a_multirun_override_is_refused_before_hydra_logs_or_saves_it(tmp_path, override):
     """Under -m Hydra prints each job's overrides and writes multirun.yaml before any job runs validate."""
     result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={tmp_path}", override],
@@ -656,3 +657,18 @@ def test_serving_with_no_store_to_resolve_from_creates_none(tmp_path, capsys, mo
         assert re.fullmatch(r"error: serving\.model: no MLflow store at .*mlflow\.db to resolve '(models|runs):/.*' "
                             r"from; .*", _error_line(capsys))
     assert not any(tmp_path.iterdir())
+
+
+def test_a_missing_resume_from_is_not_read_when_the_run_has_its_final_checkpoint(tmp_path, tiny_verifier_path,
+                                                                                prompts_jsonl):
+    """resume_from is read only to start training; a finished run reuses final/ whether or not it is still there."""
+    from pipeline.paths import StagePaths
+    from pipeline.runner import check_input_files
+    from tests.unit.test_integrity import checkpoint
+
+    cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, prompts_jsonl)
+                  + [f"training.resume_from={tmp_path / 'cleaned_up'}"])
+    with pytest.raises(PipelineError, match=r"^training\.resume_from: .*cleaned_up' is not a checkpoint folder"):
+        check_input_files(cfg, ["train"])
+    checkpoint(StagePaths(cfg).final_checkpoint)
+    check_input_files(cfg, ["train"])

@@ -380,6 +380,11 @@ def test_an_edited_prompt_file_keys_new_prompts_and_an_untouched_one_keeps_them(
     questions.write_text(json.dumps({"prompt": "another question"}) + "\n")
     assert StagePaths(cfg).train_key == edited.train_key  # an eval set is no training input
     assert StagePaths(cfg).evaluation_key != edited.evaluation_key
+    elsewhere = tmp_path / "mounted" / "prompts.jsonl"  # the same bytes on another mount: the same prompts
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(prompts.read_bytes())
+    moved = compose(["data=jsonl", f"data.path={elsewhere}"])
+    assert StagePaths(moved).prompts_key == edited.prompts_key
 
 
 @pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true",

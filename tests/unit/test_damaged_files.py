@@ -158,6 +158,50 @@ def test_a_report_of_other_weights_at_the_same_path_is_not_reused(tmp_path):
     assert load_result(tmp_path, _report_of(checkpoint)) == {}
 
 
+def test_a_report_written_before_reports_named_their_weights_is_kept_while_its_checkpoint_is(tmp_path):
+    """No digest in it: it counts while it is newer than the checkpoint's integrity records and nothing was set
+    aside beside the checkpoint since, so an existing root does not evaluate again."""
+    import os
+
+    from pipeline.evaluation.stage import REQUESTS_FILE, _finished_report
+    from pipeline.evaluation.vllm_check import RESULT_FIELDS, RESULT_FILE, load_result
+    from pipeline.integrity import record_paths
+
+    checkpoint = _sealed_checkpoint(tmp_path / "final", b"weights")
+    legacy = {key: value for key, value in _report_of(checkpoint).items() if key != "checkpoint_digest"}
+    (tmp_path / REQUESTS_FILE).write_text("[]")
+    (tmp_path / "report.json").write_text(json.dumps(legacy))
+    for record in record_paths(checkpoint):
+        os.utime(record, (1_000, 1_000))
+    assert _finished_report(tmp_path, checkpoint) == legacy
+    served = {field: 1.0 for field in RESULT_FIELDS}  # no digest either: measured with the report
+    (tmp_path / RESULT_FILE).write_text(json.dumps(served))
+    assert load_result(tmp_path, legacy) == served
+    (tmp_path / "final.damaged-20261206T000000Z").mkdir()  # a checkpoint was made again since
+    assert _finished_report(tmp_path, checkpoint) is None
+    (tmp_path / "final.damaged-20261206T000000Z").rmdir()
+    os.utime(tmp_path / "report.json", (500, 500))  # older than the checkpoint's records
+    assert _finished_report(tmp_path, checkpoint) is None
+
+
+def test_an_export_sealed_before_its_checkpoint_is_not_cross_checked_in_vllm(tmp_path):
+    import os
+
+    from pipeline.integrity import record_paths
+    from pipeline.stages import _check_export_is_of_checkpoint
+
+    export = _sealed_checkpoint(tmp_path / "export", b"exported")
+    checkpoint = _sealed_checkpoint(tmp_path / "final", b"weights")
+    for folder, when in ((export, 2_000), (checkpoint, 1_000)):
+        for record in record_paths(folder):
+            os.utime(record, (when, when))
+    _check_export_is_of_checkpoint(export, checkpoint)  # exported after training: fine
+    for record in record_paths(checkpoint):
+        os.utime(record, (3_000, 3_000))
+    with pytest.raises(PipelineError, match=rf"^vllm_eval: the export at {export} was made before the checkpoint"):
+        _check_export_is_of_checkpoint(export, checkpoint)
+
+
 @pytest.mark.parametrize("spec_json", ["{", "{}", "[]"])
 def test_resume_from_a_folder_whose_spec_is_not_a_drafter_spec_is_one_line(tmp_path, spec_json):
     from pipeline.drafters.spec import DrafterSpec
@@ -222,8 +266,8 @@ def test_a_damaged_generation_config_is_named_not_read_as_absent(tmp_path, tiny_
     shutil.copytree(tiny_verifier_path, verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier)
     (verifier / "generation_config.json").write_text('{"eos_token_id": [1, 2')
-    with pytest.raises(PipelineError, match=rf"^verifier\.path: '{verifier / 'generation_config.json'}' cannot be "
-                                            "read"):
+    with pytest.raises(PipelineError, match=rf"^verifier\.path: the generation_config\.json of '{verifier}' cannot "
+                                            "be read"):
         verifier_stop_token_ids(str(verifier), tokenizer)
     (verifier / "generation_config.json").unlink()  # absent: the tokenizer's eos alone, as vLLM does
     assert verifier_stop_token_ids(str(verifier), tokenizer) == (tokenizer.eos_token_id,)
