@@ -3,7 +3,7 @@
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 
 class PipelineError(Exception):
@@ -24,6 +24,19 @@ def read_json(path: Path | str, field: str) -> Any:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
         raise PipelineError(f"{field}: '{path}' is not readable JSON ({reason})") from None
+
+
+def read_json_object(path: Path | str, field: str, what: str, required: Sequence[str], remedy: str) -> dict:
+    """read_json for a file that holds one JSON object with the `required` keys (`what` names it, e.g. "a finished
+    evaluation report"); one that is not, or lacks a key, is a PipelineError naming `field`, the file, the missing
+    keys and `remedy`."""
+    found = read_json(path, field)
+    if not isinstance(found, dict):
+        raise PipelineError(f"{field}: '{path}' holds {type(found).__name__}, not {what}")
+    missing = [key for key in required if key not in found]
+    if missing:
+        raise PipelineError(f"{field}: '{path}' is not {what} (no {', '.join(missing)}); {remedy}")
+    return found
 
 
 def first_line(error: BaseException) -> str:

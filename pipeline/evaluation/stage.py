@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.context import Context
 from pipeline.data.chat import prompt_ids
-from pipeline.errors import PipelineError, read_json
+from pipeline.errors import PipelineError, read_json, read_json_object
 from pipeline.evaluation.eval_sets import eval_sets
 from pipeline.evaluation.gate import evaluation_signature
 from pipeline.evaluation.measured_drafter import decoding_drafter
@@ -224,15 +224,8 @@ REPORT_FIELDS = ("pooled_tau", "per_request_tau", "drafts_per_step", "conditiona
 def load_report(folder: Path) -> dict:
     """The evaluation report in `folder`; one that is not JSON, not an object or lacks a field the later stages
     read is a PipelineError naming the file and the field."""
-    path = folder / "report.json"
-    report = read_json(path, "evaluate")
-    if not isinstance(report, dict):
-        raise PipelineError(f"evaluate: '{path}' holds {type(report).__name__}, not an evaluation report")
-    missing = [field for field in REPORT_FIELDS if field not in report]
-    if missing:
-        raise PipelineError(f"evaluate: '{path}' is not a finished evaluation report (no {', '.join(missing)}); "
+    return read_json_object(folder / "report.json", "evaluate", "a finished evaluation report", REPORT_FIELDS,
                             "run the evaluate stage again")
-    return report
 
 
 def load_requests(folder: Path) -> list[dict]:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from pipeline.context import Context
 from pipeline.drafters import drafter_class
-from pipeline.errors import PipelineError, read_json
+from pipeline.errors import PipelineError, read_json_object
 from pipeline.evaluation import gate
 from pipeline.families import load_verifier_config, vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
@@ -128,13 +128,8 @@ def load_result(folder: Path, report: dict | None = None) -> dict:
     path = folder / RESULT_FILE
     if not path.is_file():
         return {}
-    result = read_json(path, "vllm_eval")
-    if not isinstance(result, dict):
-        raise PipelineError(f"vllm_eval: '{path}' holds {type(result).__name__}, not the cross-check's object")
-    missing = [field for field in RESULT_FIELDS if field not in result]
-    if missing:
-        raise PipelineError(f"vllm_eval: '{path}' is not a finished cross-check (no {', '.join(missing)}); delete "
-                            "it and run the vllm_eval stage again")
+    result = read_json_object(path, "vllm_eval", "a finished cross-check", RESULT_FIELDS,
+                              "delete it and run the vllm_eval stage again")
     if report is not None and result.get("checkpoint_digest") != report.get("checkpoint_digest"):
         log.info("vllm_eval: %s served other weights than the report measured; not reused", path)
         return {}
