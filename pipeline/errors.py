@@ -32,7 +32,7 @@ def read_json_object(path: Path | str, field: str, what: str, required: Sequence
     keys and `remedy`."""
     found = read_json(path, field)
     if not isinstance(found, dict):
-        raise PipelineError(f"{field}: '{path}' holds {type(found).__name__}, not {what}")
+        raise PipelineError(f"{field}: '{path}' holds {type(found).__name__}, not {what}; {remedy}")
     missing = [key for key in required if key not in found]
     if missing:
         raise PipelineError(f"{field}: '{path}' is not {what} (no {', '.join(missing)}); {remedy}")

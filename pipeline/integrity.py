@@ -69,6 +69,11 @@ def record_paths(folder: Path) -> list[Path]:
     return sorted(Path(folder).glob(f"{RECORD_PREFIX}*.json"))
 
 
+def sealed_at(folder: Path) -> float:
+    """When `folder` was last sealed (the newest of its integrity records' mtimes, seconds); 0.0 with none."""
+    return max((path.stat().st_mtime for path in record_paths(folder)), default=0.0)
+
+
 def _records(folder: Path) -> list[dict]:
     records = []
     for path in record_paths(folder):

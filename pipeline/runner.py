@@ -17,6 +17,7 @@ from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
 from pipeline.logs import setup_job_logging
+from pipeline.paths import StagePaths
 from pipeline.stages import STAGES
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
 from pipeline.tracking import Tracker, check_tracking_uri
@@ -43,7 +44,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     ctx = Context.create(cfg, track=False)
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
-    check_input_files(cfg, stages)
+    check_input_files(cfg, stages, ctx.paths)
     ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
     results: dict[str, Any] = {}
     times = StageTimes()
@@ -60,14 +61,14 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     return results
 
 
-def check_input_files(cfg: DictConfig, stages: list[str]) -> None:
+def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> None:
     """The files this job's stages read that the config names, checked before any stage (validate cannot: on a
     cluster they live on its shared mount, not where the manifests are rendered): a jsonl/parquet prompt file, the
     file of each eval set evaluated, a training.resume_from folder, and the trained drafter a job evaluates or
     exports without training it. Raises PipelineError naming the field or the stage."""
     from pipeline.data.prompts import LOCAL_FILE_SOURCES, prompt_file
     from pipeline.evaluation.eval_sets import set_config
-    from pipeline.paths import StagePaths
+    from pipeline.training.stage import own_latest_checkpoint
 
     if cfg.data.source in LOCAL_FILE_SOURCES:  # every stage's key holds the file's digest (paths.py)
         prompt_file(cfg.data)
@@ -77,23 +78,15 @@ def check_input_files(cfg: DictConfig, stages: list[str]) -> None:
                 definition = set_config(name, cfg.evaluation)
                 if definition.source in LOCAL_FILE_SOURCES:
                     prompt_file(definition, f"evaluation.sets.{name}.path")
-    paths = StagePaths(cfg)
     resume_from = cfg.training.resume_from
     # read only when the run has neither its final checkpoint nor one of its own to continue (training/stage.py)
     if "train" in stages and resume_from and not (paths.final_checkpoint / "spec.json").is_file() \
-            and not _own_checkpoint_exists(cfg) and not Path(str(resume_from)).expanduser().is_dir():
+            and own_latest_checkpoint(cfg, paths) is None and not Path(str(resume_from)).expanduser().is_dir():
         raise PipelineError(f"training.resume_from: '{resume_from}' is not a checkpoint folder (no such folder)")
     reads_checkpoint = {"evaluate", "export"} & set(stages)
     if reads_checkpoint and "train" not in stages and not (paths.final_checkpoint / "spec.json").is_file():
         raise PipelineError(f"{min(reads_checkpoint)}: no trained drafter at {paths.final_checkpoint}; run "
                             "jobs/train.py with this config first")
-
-
-def _own_checkpoint_exists(cfg: DictConfig) -> bool:
-    """Whether this config's training left a checkpoint of its own that a rerun continues (before resume_from)."""
-    from pipeline.training.stage import own_latest_checkpoint
-
-    return own_latest_checkpoint(cfg) is not None
 
 
 def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> None:
@@ -124,13 +117,16 @@ def _log_times(ctx: Context, metrics: dict, strict: bool) -> None:
         log.warning("could not log %s to MLflow: %s", ", ".join(metrics), error)
 
 
-def run_guarded(action: Callable[[], Any]) -> int:
+def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int:
     """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input, and the local
-    Ray it started stopped either way."""
+    Ray it started stopped either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
+    (remove_unused_hydra_run_folder)."""
     try:
         action()
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
+        if cfg is not None:
+            remove_unused_hydra_run_folder(cfg)
         return 2
     finally:
         shutdown_if_started_here()
@@ -214,10 +210,7 @@ def run_job(cfg: DictConfig, job: str) -> int:
     """Run a job's stages (the config's `stages` for `pipeline`) with run_guarded. Returns the exit code."""
     setup_job_logging()
     stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
-    code = run_guarded(lambda: run_stages(cfg, job, stages))
-    if code:
-        remove_unused_hydra_run_folder(cfg)
-    return code
+    return run_guarded(lambda: run_stages(cfg, job, stages), cfg)
 
 
 def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:

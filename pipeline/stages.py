@@ -113,12 +113,9 @@ def _vllm_eval(ctx: Context, results: dict, run_id: str) -> Any:
 def _check_export_is_of_checkpoint(export_dir: Path, checkpoint: Path) -> None:
     """An earlier job's export sealed before the checkpoint was (made again after failing its check) holds other
     weights than those the report measured: vLLM would cross-check, and promote gate, the wrong drafter."""
-    from pipeline.integrity import record_paths
+    from pipeline.integrity import sealed_at
 
-    def sealed(folder: Path) -> float:
-        return max((path.stat().st_mtime for path in record_paths(folder)), default=0.0)
-
-    if sealed(export_dir) < sealed(checkpoint):
+    if sealed_at(export_dir) < sealed_at(checkpoint):
         raise PipelineError(f"vllm_eval: the export at {export_dir} was made before the checkpoint at {checkpoint} "
                             "was; run the export stage again")
 

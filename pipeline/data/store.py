@@ -148,7 +148,7 @@ def read_shard_entry(path: Path) -> dict:
     except (SafetensorError, KeyError, TypeError, IndexError, ValueError) as error:  # JSONDecodeError too
         raise PipelineError(f"store: shard '{path}' is not one this pipeline wrote ({type(error).__name__}: "
                             f"{first_line(error)}); delete it and rerun to capture its samples again") from None
-    if not (isinstance(sample_ids, list) and all(isinstance(i, str) for i in sample_ids)):
+    if not _is_id_list(sample_ids):
         raise PipelineError(f"store: shard '{path}' is not one this pipeline wrote (its sample_ids are not a list of "
                             "ids); delete it and rerun to capture its samples again")
     return {"file": path.name, "sha256": sha256_file(path), "sample_ids": sample_ids, "num_tokens": num_tokens}
@@ -201,8 +201,7 @@ def _check_manifest(manifest: Any, path: Path) -> None:
                 f"{shard.get('file')!r}")
         require(isinstance(shard.get("sha256"), str) and SHA256.fullmatch(shard["sha256"]) is not None,
                 f"'{field}.sha256' must be a sha256 hex digest")
-        require(isinstance(shard.get("sample_ids"), list) and all(isinstance(i, str) for i in shard["sample_ids"]),
-                f"'{field}.sample_ids' must be a list of sample ids")
+        require(_is_id_list(shard.get("sample_ids")), f"'{field}.sample_ids' must be a list of sample ids")
         require(_is_count(shard.get("num_tokens")), f"'{field}.num_tokens' must be a token count")
     for name in ("num_samples", "num_tokens", "bytes"):  # write_manifest's totals, which readers print and log
         require(_is_count(manifest.get(name)), f"'{name}' must be a count, got {manifest.get(name)!r}")
@@ -215,6 +214,10 @@ def _check_manifest(manifest: Any, path: Path) -> None:
     for name, (is_valid, kind) in OPTIONAL_MANIFEST_FIELDS.items():  # stores written by older code may lack them
         require(name not in manifest or is_valid(manifest[name]),
                 f"'{name}' must be {kind}, got {manifest.get(name)!r}")
+
+
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, str) for i in value)
 
 
 def _is_count(value: Any) -> bool:

@@ -144,7 +144,7 @@ def report_is_of(report: dict, checkpoint: Path, written: Path) -> bool:
     records (integrity.folder_digest), wherever the root now lies. A report written before reports carried the
     digest counts when it names this checkpoint, is newer than its records and no checkpoint was set aside
     beside it since (training/stage.py: _set_aside)."""
-    from pipeline.integrity import record_paths
+    from pipeline.integrity import sealed_at
 
     try:
         digest = folder_digest(checkpoint)
@@ -152,10 +152,9 @@ def report_is_of(report: dict, checkpoint: Path, written: Path) -> bool:
         return False
     if "checkpoint_digest" in report:
         return report["checkpoint_digest"] == digest
-    records_written = max(path.stat().st_mtime for path in record_paths(checkpoint))
     set_aside = any(checkpoint.parent.glob(f"{checkpoint.name}.damaged-*"))
     return report.get("checkpoint") == str(checkpoint) and not set_aside \
-        and written.stat().st_mtime >= records_written
+        and written.stat().st_mtime >= sealed_at(checkpoint)
 
 
 def _publish(ctx: Context, report: dict, folder: Path) -> None:

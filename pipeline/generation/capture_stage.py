@@ -20,7 +20,7 @@ from pipeline.data.store import (
     scan_shards,
     write_manifest,
 )
-from pipeline.errors import PipelineError, read_json
+from pipeline.errors import PipelineError, read_json_object
 from pipeline.generation.batching import pack_by_token_budget
 from pipeline.generation.common import (
     REGENERATION_INFO,
@@ -42,9 +42,7 @@ def _check_regenerated_tokenizer(ctx: Context, fingerprint: str) -> None:
     info_path = ctx.paths.regenerated / REGENERATION_INFO
     if not info_path.is_file():
         return
-    info = read_json(info_path, "capture")
-    if not isinstance(info, dict):
-        raise PipelineError(f"capture: '{info_path}' holds {type(info).__name__}, not the regeneration's record; "
+    info = read_json_object(info_path, "capture", "the regeneration's record", (),
                             "delete the regenerated set and regenerate")
     made_with = info.get("tokenizer_fingerprint")
     if made_with and made_with != fingerprint:

@@ -136,14 +136,11 @@ def _check_registry_exists(cfg: DictConfig) -> None:
 def run_serve(cfg: DictConfig) -> int:
     """Entry point for jobs/serve.py."""
     from pipeline.config import validate
-    from pipeline.runner import remove_unused_hydra_run_folder, run_guarded
+    from pipeline.runner import run_guarded
 
     def validated_serve() -> None:
         validate(cfg)
         _check_registry_exists(cfg)
         serve(Context.create(cfg))
 
-    code = run_guarded(validated_serve)
-    if code:
-        remove_unused_hydra_run_folder(cfg)
-    return code
+    return run_guarded(validated_serve, cfg)

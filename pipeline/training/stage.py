@@ -21,6 +21,7 @@ from pipeline.errors import PipelineError, read_json, remote_cause
 from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
+from pipeline.paths import StagePaths
 from pipeline.training.loop import train_loop_per_worker
 from pipeline.training.optim import planned_optimizer_split
 from pipeline.training.resume import (
@@ -196,22 +197,20 @@ def _final_checkpoint(result, select_by: str | None):
     return checkpoint, score
 
 
-def _run_name(ctx: Context) -> str:
-    return f"train-{ctx.paths.train_key}"
+def _run_name(paths: StagePaths) -> str:
+    return f"train-{paths.train_key}"
 
 
-def own_latest_checkpoint(cfg) -> Path | None:
+def own_latest_checkpoint(cfg, paths: StagePaths) -> Path | None:
     """The latest complete checkpoint this config's own Ray Train run left under cluster.storage_path (a rerun
     after a crash continues it), or None."""
-    from pipeline.paths import StagePaths
-
     storage = Path(cfg.cluster.storage_path).expanduser().resolve()
-    return latest_complete_checkpoint(storage / f"train-{StagePaths(cfg).train_key}")
+    return latest_complete_checkpoint(storage / _run_name(paths))
 
 
 def _resume_from(ctx: Context) -> Path | None:
     """This config's own latest checkpoint (a rerun after a crash continues it), else training.resume_from."""
-    own = own_latest_checkpoint(ctx.cfg)
+    own = own_latest_checkpoint(ctx.cfg, ctx.paths)
     if own is not None:
         return own
     return Path(ctx.cfg.training.resume_from).expanduser().resolve() if ctx.cfg.training.resume_from else None
@@ -245,7 +244,7 @@ def _fit(ctx: Context, worker: WorkerConfig):
         scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name=_run_name(ctx), storage_path=str(storage),
+        run_config=RunConfig(name=_run_name(ctx.paths), storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=cfg.training.max_failures),
                              checkpoint_config=_checkpoint_config(cfg.training),
                              # Ray Train v2's RunConfig (the default); the stubs show v1's, which has no such field

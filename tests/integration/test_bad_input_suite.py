@@ -668,7 +668,8 @@ def test_a_missing_resume_from_is_not_read_when_the_run_has_its_final_checkpoint
 
     cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, prompts_jsonl)
                   + [f"training.resume_from={tmp_path / 'cleaned_up'}"])
+    paths = StagePaths(cfg)
     with pytest.raises(PipelineError, match=r"^training\.resume_from: .*cleaned_up' is not a checkpoint folder"):
-        check_input_files(cfg, ["train"])
-    checkpoint(StagePaths(cfg).final_checkpoint)
-    check_input_files(cfg, ["train"])
+        check_input_files(cfg, ["train"], paths)
+    checkpoint(paths.final_checkpoint)
+    check_input_files(cfg, ["train"], paths)

@@ -91,7 +91,7 @@ def test_a_failed_stage_still_gets_its_time_and_the_table(store, monkeypatch, ca
     monkeypatch.setitem(stages.STAGES, "evaluate", sleeper(0.01))
     monkeypatch.setitem(stages.STAGES, "export", failing)
     monkeypatch.setitem(stages.STAGES, "promote", sleeper(0.01))
-    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages: None)  # stand-in stages read no drafter
+    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)  # stand-in stages read no drafter
     cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-failed"])
     with caplog.at_level(logging.INFO, logger="pipeline.runner"), pytest.raises(PipelineError):
         runner.run_stages(cfg, "evaluate", ["evaluate", "export", "promote"])
