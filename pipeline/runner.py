@@ -218,6 +218,7 @@ def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
     with nothing logged leaves nothing behind. Only this job's empty log goes, then each folder above it that is
     left empty, up to paths.root (which stays); a logged line, or another job's log, keeps its folder."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     if not HydraConfig.initialized():  # called as a library (tests, benchmarks): Hydra made no folder
         return
@@ -228,10 +229,22 @@ def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
     if root not in folder.parents or not own_log.is_file() or own_log.stat().st_size:
         return
     own_log.unlink()  # only this job's: another job started in the same second shares the folder
+    sweep = Path(hydra.sweep.dir).resolve() if hydra.mode == RunMode.MULTIRUN else None
     for empty in (folder, *folder.parents):  # the run folder, the date folder, then hydra/, while empty
         if empty == root:
             break
+        if empty == sweep:
+            _remove_sweep_record_of_refused_sweep(sweep)
         try:
             empty.rmdir()
         except OSError:  # holds another run's log or folder
             break
+
+
+def _remove_sweep_record_of_refused_sweep(sweep: Path) -> None:
+    """Under `-m` Hydra saves the sweep's overrides (multirun.yaml) in the sweep folder before any job runs. A
+    refused job exits, which ends the sweep (the basic launcher runs jobs one after another): with no earlier job's
+    folder left beside it, the record is of a sweep that ran nothing, and goes."""
+    record = sweep / "multirun.yaml"
+    if [entry.name for entry in sweep.iterdir()] == [record.name]:
+        record.unlink()

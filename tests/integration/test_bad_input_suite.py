@@ -322,6 +322,23 @@ def test_a_refused_job_leaves_no_hydra_run_folder_but_keeps_another_runs(tmp_pat
         "hydra", "hydra/2026-01-01", "hydra/2026-01-01/00-00-00", "hydra/2026-01-01/00-00-00/train.log"]
 
 
+def test_a_sweep_refused_at_its_first_job_leaves_no_sweep_record(tmp_path):
+    result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={tmp_path}", "training.lr=-1,1e-3"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().endswith("error: training.lr: must be > 0"), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_record_beside_an_earlier_jobs_folder_is_kept(tmp_path):
+    sweep = tmp_path / "sweep"
+    (sweep / "earlier").mkdir(parents=True)
+    (sweep / "earlier" / "train.log").write_text("an earlier job of this sweep\n")
+    result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={tmp_path}", f"hydra.sweep.dir={sweep}",
+                             "training.lr=-1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert sorted(p.name for p in sweep.iterdir()) == ["earlier", "multirun.yaml"]
+
+
 def test_a_paths_root_hydra_cannot_make_its_run_folder_under_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     result = subprocess.run([sys.executable, "jobs/train.py", f"paths.root={tmp_path / 'a_file'}"],
