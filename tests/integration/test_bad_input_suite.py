@@ -333,8 +333,8 @@ def test_a_sweep_record_beside_an_earlier_jobs_folder_is_kept(tmp_path):
     sweep = tmp_path / "sweep"
     (sweep / "earlier").mkdir(parents=True)
     (sweep / "earlier" / "train.log").write_text("an earlier job of this sweep\n")
-    result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={tmp_path}", f"hydra.sweep.dir={sweep}",
-                             "training.lr=-1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    command = ["jobs/train.py", "-m", f"paths.root={tmp_path}", f"hydra.sweep.dir={sweep}", "training.lr=-1"]
+    result = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert sorted(p.name for p in sweep.iterdir()) == ["earlier", "multirun.yaml"]
 
