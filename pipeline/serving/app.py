@@ -89,8 +89,25 @@ def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     k = source.get("num_speculative_tokens") or resolved.recommended_k
     if not k:
         raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
+    check_served_k(resolved, int(k))
     engine = {**llm["engine_kwargs"], "speculative_config": speculative_config(str(resolved.local_dir), int(k))}
     return {**llm, "engine_kwargs": engine}, resolved
+
+
+def check_served_k(resolved: ResolvedSpeculator, k: int) -> None:
+    """Refuse a K past the one a parallel drafter trained for: vLLM runs it, but the slots beyond were never
+    trained, so a served K the evaluation never measured would quietly draft noise. A drafter that drafts one step
+    at a time (drafts_past_trained_k), or one whose config names no trained K, is not checked. Raises
+    PipelineError naming serving.num_speculative_tokens."""
+    from pipeline.drafters import DRAFTERS
+
+    drafter = DRAFTERS.get(resolved.algorithm)
+    if resolved.trained_k is None or drafter is None or drafter.drafts_past_trained_k:
+        return
+    if k > resolved.trained_k:
+        raise PipelineError(f"serving.num_speculative_tokens: {k} exceeds the K={resolved.trained_k} "
+                            f"{resolved.uri} was trained for (a {resolved.algorithm} drafter drafts at most that "
+                            "many tokens)")
 
 
 def build_app(args: dict) -> Any:

@@ -34,6 +34,8 @@ class ResolvedSpeculator:
     version: Optional[str] = None
     tags: dict[str, str] = field(default_factory=dict)
 
+    trained_k: Optional[int] = None  # config.json's speculators_config.proposal_methods[0].speculative_tokens
+
     @property
     def recommended_k(self) -> Optional[int]:
         value = self.tags.get("eval.recommended_k") or self.tags.get("eval.num_speculative_tokens")
@@ -114,6 +116,14 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             run_id, path = run["run_id"], run["path"]
             local = _download(client, run_id, path, download_root / f"run-{run_id}")
             tags, number = dict(client.get_run(run_id).data.tags), None
-    algorithm = json.loads((local / "config.json").read_text())["speculators_model_type"]
-    return ResolvedSpeculator(uri=uri, local_dir=local, algorithm=algorithm, run_id=run_id, version=number,
-                              tags=tags)
+    config = json.loads((local / "config.json").read_text())
+    return ResolvedSpeculator(uri=uri, local_dir=local, algorithm=config["speculators_model_type"], run_id=run_id,
+                              version=number, tags=tags, trained_k=trained_k(config))
+
+
+def trained_k(config: dict[str, Any]) -> Optional[int]:
+    """The K a speculators config.json says its drafter was trained for (speculators_config.proposal_methods[0].
+    speculative_tokens, as pipeline/export/speculators_format.py writes it); None where it names none."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    value = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None

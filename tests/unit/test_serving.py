@@ -149,16 +149,42 @@ def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
         with_speculator(llm, {**source, "download_dir": str(tmp_path / "d2")})
 
 
+@pytest.mark.parametrize("algorithm,served_past_trained_k", [
+    ("peagle", False), ("dflash", False), ("dspark", False), ("dflash2", False), ("eagle3", True)])
+def test_a_parallel_drafter_is_not_served_past_the_k_it_trained_for(tmp_path, algorithm, served_past_trained_k):
+    """vLLM runs a parallel drafter at any K, but its slots past the trained K are untrained: refused by name.
+    EAGLE-3 drafts one trained step at a time, so a larger K is its own choice."""
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    register_speculator(tracker, tmp_path, algorithm, {"eval.recommended_k": "3"}, trained_k=4)
+    llm = llm_config(compose([]).serving, "m", "/verifier")
+    source = speculator_source("models:/m@champion", None, str(tmp_path / "downloads"), tracker.uri)
+    for k in (None, 4):  # the evaluated K, and the trained K itself
+        served, resolved = with_speculator(llm, {**source, "num_speculative_tokens": k})
+        assert served["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == (k or 3)
+    assert resolved.trained_k == 4
+    past = {**source, "num_speculative_tokens": 5}
+    if served_past_trained_k:
+        assert with_speculator(llm, past)[0]["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 5
+    else:
+        with pytest.raises(PipelineError, match=r"^serving\.num_speculative_tokens: 5 exceeds the K=4 "):
+            with_speculator(llm, past)
+
+
 def test_bad_serving_settings_are_refused_by_name(tmp_path):
     with pytest.raises(PipelineError, match="serving.model"):
         validate(compose([f"paths.root={tmp_path}", "serving.model=champion"]))
 
 
-def register_speculator(tracker, tmp_path, algorithm, tags):
-    """An exported folder logged by a run and registered as `m`, alias champion; returns the version."""
+def register_speculator(tracker, tmp_path, algorithm, tags, trained_k=None):
+    """An exported folder logged by a run and registered as `m`, alias champion; returns the version. trained_k
+    writes the speculators_config an export carries (its proposal's speculative_tokens)."""
     export = tmp_path / "export"
     export.mkdir(exist_ok=True)
-    (export / "config.json").write_text(json.dumps({"speculators_model_type": algorithm}))
+    config = {"speculators_model_type": algorithm}
+    if trained_k is not None:
+        config["speculators_config"] = {"proposal_methods": [{"proposal_type": "greedy",
+                                                              "speculative_tokens": trained_k}]}
+    (export / "config.json").write_text(json.dumps(config))
     seal(export)  # as the export stage seals it
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_artifact(export, "speculator")

@@ -45,6 +45,7 @@ class Eagle3Drafter(EagleFamilyDrafter):
     config_class = Eagle3Config
     extra_keys: tuple[str, ...] = ("norm_before_fc", "norm_output", "embed_requires_grad")
     speculators_architecture = "Eagle3Speculator"
+    drafts_past_trained_k = True  # autoregressive: each further draft is one more step of the trained layer
 
     @classmethod
     def extra_from_export(cls, config: dict[str, Any]) -> dict[str, Any]:
