@@ -38,8 +38,17 @@ class ResolvedSpeculator:
 
     @property
     def recommended_k(self) -> Optional[int]:
-        value = self.tags.get("eval.recommended_k") or self.tags.get("eval.num_speculative_tokens")
-        return int(value) if value else None
+        """The K its evaluation recommends (tag eval.recommended_k, else the evaluated eval.num_speculative_tokens);
+        None where neither is set. Tags can be edited in MLflow: one that is no positive whole number raises
+        PipelineError naming it."""
+        for tag in ("eval.recommended_k", "eval.num_speculative_tokens"):
+            value = self.tags.get(tag)
+            if value:
+                if not value.strip().isdigit() or int(value) < 1:
+                    raise PipelineError(f"serving.model: {self.uri}'s tag {tag}={value!r} is no K (a whole number "
+                                        ">= 1); set serving.num_speculative_tokens or fix the tag")
+                return int(value)
+        return None
 
 
 URI_FORMS = "models:/<name>@<alias>, models:/<name>/<version> or runs:/<run id>/<path>"

@@ -144,6 +144,11 @@ def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
     assert "speculative_config" not in llm["engine_kwargs"]  # the config itself is left as it was
     pinned, _ = with_speculator(llm, {**source, "num_speculative_tokens": 2})
     assert pinned["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 2
+    for edited in ("three", "0", "-1", "2.5"):  # registry tags are editable in MLflow's UI
+        tracker.set_version_tags("m", version, {"eval.recommended_k": edited})
+        with pytest.raises(PipelineError, match=r"^serving\.model: models:/m@champion's tag eval\.recommended_k="):
+            with_speculator(llm, source)
+        assert with_speculator(llm, {**source, "num_speculative_tokens": 2})[0]  # a K set in the config is used
     tracker.set_version_tags("m", version, {"eval.recommended_k": ""})
     with pytest.raises(PipelineError, match="serving.num_speculative_tokens"):
         with_speculator(llm, {**source, "download_dir": str(tmp_path / "d2")})
