@@ -26,16 +26,20 @@ def read_json(path: Path | str, field: str) -> Any:
         raise PipelineError(f"{field}: '{path}' is not readable JSON ({reason})") from None
 
 
-def read_json_object(path: Path | str, field: str, what: str, required: Sequence[str], remedy: str) -> dict:
+def read_json_object(path: Path | str, field: str, what: str, required: Sequence[str], remedy: str,
+                     numbers: Sequence[str] = ()) -> dict:
     """read_json for a file that holds one JSON object with the `required` keys (`what` names it, e.g. "a finished
-    evaluation report"); one that is not, or lacks a key, is a PipelineError naming `field`, the file, the missing
-    keys and `remedy`."""
+    evaluation report"), of which `numbers` must be JSON numbers (true/false are not); one that is not, lacks a
+    key or holds another kind of value there is a PipelineError naming `field`, the file, the keys and `remedy`."""
     found = read_json(path, field)
     if not isinstance(found, dict):
         raise PipelineError(f"{field}: '{path}' holds {type(found).__name__}, not {what}; {remedy}")
     missing = [key for key in required if key not in found]
     if missing:
         raise PipelineError(f"{field}: '{path}' is not {what} (no {', '.join(missing)}); {remedy}")
+    not_numbers = [key for key in numbers if isinstance(found[key], bool) or not isinstance(found[key], (int, float))]
+    if not_numbers:
+        raise PipelineError(f"{field}: '{path}' is not {what} ({', '.join(not_numbers)} not a number); {remedy}")
     return found
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,9 +47,12 @@ def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champ
            gate_cfg: Any, no_check_reason: str = "the vllm_eval stage did not run",
            lossless_doubt: Optional[str] = None) -> Decision:
     """champion: the current champion version's tags (None when there is none). lossless_doubt: why vLLM's greedy
-    output is not trusted to be the verifier's (divergence_doubt), None when it is."""
+    output is not trusted to be the verifier's (divergence_doubt), None when it is. A tau or gap that is not a
+    finite number (a damaged report or cross-check, a champion's tag edited in MLflow) is doubt: refused."""
     if tau_gap is None:
         return Decision(False, f"no vLLM cross-check ({no_check_reason}): the served tau is unknown")
+    if not math.isfinite(candidate_tau) or not math.isfinite(tau_gap):
+        return Decision(False, f"tau {candidate_tau} or its vLLM gap {tau_gap} is not a finite number")
     if lossless_doubt:
         return Decision(False, f"vLLM's greedy output is not the verifier's: {lossless_doubt}")
     if tau_gap > gate_cfg.max_tau_gap:
@@ -60,12 +64,25 @@ def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champ
     if champion.get("eval.signature") != signature:
         return Decision(False, f"the champion (version {champion['version']}) was evaluated on other prompts or "
                                "settings; its tau is not comparable")
-    champion_tau = float(champion["eval.pooled_tau"])
+    champion_tau = tag_tau(champion)
+    if champion_tau is None:
+        return Decision(False, f"the champion's (version {champion['version']}) eval.pooled_tau tag "
+                               f"{champion.get('eval.pooled_tau')!r} is no tau to compare with")
     if candidate_tau <= champion_tau + gate_cfg.min_tau_gain:
         return Decision(False, f"tau {candidate_tau:.4f} does not beat the champion's {champion_tau:.4f} "
                                f"(version {champion['version']}) by more than {gate_cfg.min_tau_gain}")
     return Decision(True, f"tau {candidate_tau:.4f} beats the champion's {champion_tau:.4f} "
                           f"(version {champion['version']}); vLLM gap {tau_gap:.1%}")
+
+
+def tag_tau(tags: dict) -> Optional[float]:
+    """A registered version's pooled tau from its eval.pooled_tau tag; None when the tag is missing or is not a
+    finite number (tags can be edited in MLflow's UI)."""
+    try:
+        tau = float(tags["eval.pooled_tau"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tau if math.isfinite(tau) else None
 
 
 def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: dict, gate_cfg: Any) -> Decision:
@@ -100,7 +117,11 @@ def settle_alias(tracker: Any, name: str, alias: str, signature: str, max_rounds
     older version (a promotion needs a strictly higher tau). Returns the version the alias ends at."""
     for _ in range(max_rounds):
         promoted = tracker.versions_tagged(name, {"gate.decision": "promoted", "eval.signature": signature})
-        best = max(promoted, key=lambda v: (float(v["eval.pooled_tau"]), -int(v["version"])))["version"]
+        comparable = [v for v in promoted if tag_tau(v) is not None]  # an edited tag cannot win the alias
+        if not comparable:
+            raise PipelineError(f"registry: no promoted version of '{name}' has an eval.pooled_tau tag that is a "
+                                "number; fix the tags in MLflow and rerun the promote stage")
+        best = max(comparable, key=lambda v: (tag_tau(v), -int(v["version"])))["version"]
         current = tracker.alias_tags(name, alias)
         if current is not None and current["version"] == best:
             return best

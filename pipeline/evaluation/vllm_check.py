@@ -119,6 +119,7 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
 
 # What the stage's metrics and promote's gate read from a cross-check (compare writes them all).
 RESULT_FIELDS = ("tau", "tau_gap", "cumulative_acceptance", "num_requests", "reference_tau")
+RESULT_NUMBERS = ("tau", "tau_gap", "num_requests", "reference_tau")
 
 
 def load_result(folder: Path, report: dict | None = None) -> dict:
@@ -129,7 +130,7 @@ def load_result(folder: Path, report: dict | None = None) -> dict:
     if not path.is_file():
         return {}
     result = read_json_object(path, "vllm_eval", "a finished cross-check", RESULT_FIELDS,
-                              "delete it and run the vllm_eval stage again")
+                              "delete it and run the vllm_eval stage again", numbers=RESULT_NUMBERS)
     if report is not None and result.get("checkpoint_digest") != report.get("checkpoint_digest"):
         log.info("vllm_eval: %s served other weights than the report measured; not reused", path)
         return {}

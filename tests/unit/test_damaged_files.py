@@ -225,6 +225,30 @@ def test_a_damaged_vllm_cross_check_is_one_line_naming_the_file(tmp_path, conten
         load_result(tmp_path)
 
 
+@pytest.mark.parametrize("field,value", [("tau_gap", "0.01"), ("tau", None), ("num_requests", True),
+                                         ("reference_tau", [1.5])])
+def test_a_vllm_cross_check_whose_figures_are_no_numbers_is_one_line(tmp_path, field, value):
+    """The gate compares them with thresholds: text there was a TypeError in the promote stage."""
+    from pipeline.evaluation.vllm_check import RESULT_FIELDS, RESULT_FILE, load_result
+
+    result = {**{key: 1.0 for key in RESULT_FIELDS}, "num_requests": 4, field: value}
+    (tmp_path / RESULT_FILE).write_text(json.dumps(result))
+    with pytest.raises(PipelineError, match=rf"^vllm_eval: '.*' is not a finished cross-check \({field} not a number"):
+        load_result(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["pooled_tau", "num_speculative_tokens", "max_new_tokens", "temperature"])
+def test_a_report_whose_figures_are_no_numbers_is_one_line(tmp_path, field):
+    from pipeline.evaluation.stage import REPORT_FIELDS, load_report
+
+    report = {**{key: 1 for key in REPORT_FIELDS}, field: "1.5"}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    with pytest.raises(PipelineError, match=rf"^evaluate: '.*' is not a finished evaluation report \({field} not a "):
+        load_report(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps({**report, field: 2}))
+    assert load_report(tmp_path)[field] == 2
+
+
 @pytest.mark.parametrize("content", ["[]", '"abc"', "null"])
 def test_a_regeneration_record_that_is_not_an_object_is_one_line_naming_the_file(tmp_path, content):
     from types import SimpleNamespace

@@ -75,6 +75,34 @@ def test_a_drafter_whose_drafts_are_never_accepted_is_never_promoted():
     assert decide(1.01, 0.0, "s", None, GATE).promote
 
 
+@pytest.mark.parametrize("tau,gap", [(float("nan"), 0.0), (float("inf"), 0.0), (1.5, float("nan")),
+                                     (1.5, float("-inf"))])
+def test_a_tau_or_gap_that_is_no_finite_number_is_never_promoted(tau, gap):
+    """NaN compares false with every threshold: read from a damaged report or cross-check it would pass them all."""
+    refused = decide(tau, gap, "s", None, GATE)
+    assert not refused.promote and "not a finite number" in refused.reason
+
+
+@pytest.mark.parametrize("edited", ["1.5x", "nan", "inf", "", None])
+def test_a_champion_whose_tau_tag_was_edited_to_no_number_is_not_replaced_on_doubt(edited):
+    signature = report(1.5)["signature"]
+    holder = {"eval.signature": signature, "version": "1"}
+    if edited is not None:
+        holder["eval.pooled_tau"] = edited
+    refused = decide(1.9, 0.0, signature, holder, GATE)
+    assert not refused.promote and "eval.pooled_tau tag" in refused.reason
+
+
+def test_a_promoted_version_with_an_edited_tau_tag_cannot_take_the_alias_back(registry):
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    second, decision = register(1.60, 0.01)
+    assert decision.promote and champion(tracker) == second
+    tracker.set_version_tags("m", first, {"eval.pooled_tau": "9e999"})  # inf: it would win settle's max
+    third, decision = register(1.70, 0.01)
+    assert decision.promote and champion(tracker) == third
+
+
 def test_gate_thresholds_are_settings():
     gate = OmegaConf.merge(GATE, {"max_tau_gap": 0.10, "min_tau_gain": 0.05})
     signature = report(1.5)["signature"]
