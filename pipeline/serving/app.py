@@ -51,11 +51,12 @@ def llm_config(serving: Any, served_name: str, verifier_path: str) -> dict:
 
 
 def speculator_source(uri: str, num_speculative_tokens: Optional[int], download_dir: str,
-                      tracking_uri: Optional[str]) -> dict:
+                      tracking_uri: Optional[str], verifier_name: Optional[str] = None) -> dict:
     """Where `build_app` finds the speculator: a registry URI, the MLflow store (None = MLFLOW_TRACKING_URI of
-    the node), a folder for the download (shared storage on a cluster) and K (None = the evaluated K)."""
+    the node), a folder for the download (shared storage on a cluster), K (None = the evaluated K) and the
+    verifier.name it must have been trained on (None: its shapes are checked only)."""
     return {"uri": uri, "num_speculative_tokens": num_speculative_tokens, "download_dir": download_dir,
-            "tracking_uri": tracking_uri}
+            "tracking_uri": tracking_uri, "verifier_name": verifier_name}
 
 
 def serve_config(serving: Any, llm: dict, speculator: Optional[dict]) -> dict:
@@ -90,6 +91,7 @@ def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     if not k:
         raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
     check_served_k(resolved, int(k))
+    check_served_verifier(resolved, str(llm["model_loading_config"]["model_source"]), source.get("verifier_name"))
     engine = {**llm["engine_kwargs"], "speculative_config": speculative_config(str(resolved.local_dir), int(k))}
     return {**llm, "engine_kwargs": engine}, resolved
 
@@ -108,6 +110,35 @@ def check_served_k(resolved: ResolvedSpeculator, k: int) -> None:
         raise PipelineError(f"serving.num_speculative_tokens: {k} exceeds the K={resolved.trained_k} "
                             f"{resolved.uri} was trained for (a {resolved.algorithm} drafter drafts at most that "
                             "many tokens)")
+
+
+def check_served_verifier(resolved: ResolvedSpeculator, verifier_path: str, verifier_name: Optional[str]) -> None:
+    """Refuse a speculator trained on another verifier than the one served: vLLM would load it (any drafter of the
+    same hidden size runs) and accept almost nothing, or fail deep in its engine. Compares the version's
+    `verifier` tag (the export's verifier.name) with verifier_name, then the shapes the speculator's config.json
+    records (target_hidden_size, the layer config's vocab_size, the verifier's architecture) with the served
+    verifier's config.json; a field either side lacks is not compared. Raises PipelineError naming
+    serving.model."""
+    from pipeline.families import text_config_dict, verifier_config_dict
+
+    trained_on = resolved.tags.get("verifier")
+    if verifier_name and trained_on and trained_on != verifier_name:
+        raise PipelineError(f"serving.model: {resolved.uri} was trained on verifier '{trained_on}', not on "
+                            f"verifier.name '{verifier_name}'")
+    served = verifier_config_dict(verifier_path)
+    if not served:
+        return
+    text = text_config_dict(served)
+    drafter = resolved.config
+    pairs = {"hidden size": (drafter.get("target_hidden_size"), text.get("hidden_size")),
+             "vocabulary size": ((drafter.get("transformer_layer_config") or {}).get("vocab_size"),
+                                 text.get("vocab_size")),
+             "architecture": ((((drafter.get("speculators_config") or {}).get("verifier") or {})
+                               .get("architectures") or [None])[0], (served.get("architectures") or [None])[0])}
+    for what, (trained, serving) in pairs.items():
+        if trained is not None and serving is not None and trained != serving:
+            raise PipelineError(f"serving.model: {resolved.uri} was trained on a verifier of {what} {trained}; "
+                                f"the served verifier '{verifier_path}' has {serving}")
 
 
 def build_app(args: dict) -> Any:

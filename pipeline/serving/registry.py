@@ -34,7 +34,11 @@ class ResolvedSpeculator:
     version: Optional[str] = None
     tags: dict[str, str] = field(default_factory=dict)
 
-    trained_k: Optional[int] = None  # config.json's speculators_config.proposal_methods[0].speculative_tokens
+    config: dict[str, Any] = field(default_factory=dict)  # the speculator's config.json
+
+    @property
+    def trained_k(self) -> Optional[int]:
+        return trained_k(self.config)
 
     @property
     def recommended_k(self) -> Optional[int]:
@@ -127,7 +131,7 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             tags, number = dict(client.get_run(run_id).data.tags), None
     config = json.loads((local / "config.json").read_text())
     return ResolvedSpeculator(uri=uri, local_dir=local, algorithm=config["speculators_model_type"], run_id=run_id,
-                              version=number, tags=tags, trained_k=trained_k(config))
+                              version=number, tags=tags, config=config)
 
 
 def trained_k(config: dict[str, Any]) -> Optional[int]:

@@ -89,7 +89,8 @@ def test_serve_config_comes_from_the_hydra_config(tmp_path):
     assert app["args"]["speculator"] == {"uri": "models:/SmolLM2-135M-Instruct-peagle@champion",
                                          "num_speculative_tokens": None,
                                          "download_dir": str(tmp_path.resolve() / "serve" / "speculators"),
-                                         "tracking_uri": "sqlite:///mlflow.db"}
+                                         "tracking_uri": "sqlite:///mlflow.db",
+                                         "verifier_name": "SmolLM2-135M-Instruct"}
     assert "speculative_config" not in llm["engine_kwargs"]  # added where the app is built, once resolved
     assert llm["accelerator_config"] == {"kind": "cpu"}
     assert llm["deployment_config"]["autoscaling_config"]["target_ongoing_requests"] == 8
@@ -175,20 +176,54 @@ def test_a_parallel_drafter_is_not_served_past_the_k_it_trained_for(tmp_path, al
             with_speculator(llm, past)
 
 
+def test_a_speculator_is_not_served_on_a_verifier_it_was_not_trained_on(tmp_path):
+    """vLLM loads any drafter of the served verifier's hidden size and accepts almost nothing: refused by name."""
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    register_speculator(tracker, tmp_path, "peagle", {"eval.recommended_k": "3", "verifier": "SmolLM2-135M-Instruct"},
+                        shapes=(576, 49152, "LlamaForCausalLM"))
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    served = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "vocab_size": 49152}
+    llm = llm_config(compose([]).serving, "m", str(verifier))
+    source = speculator_source("models:/m@champion", None, str(tmp_path / "downloads"), tracker.uri,
+                               "SmolLM2-135M-Instruct")
+    for change, refused in [({}, None), ({"hidden_size": 1024}, "hidden size 576"),
+                            ({"vocab_size": 151936}, "vocabulary size 49152"),
+                            ({"architectures": ["Qwen3ForCausalLM"]}, "architecture LlamaForCausalLM"),
+                            ({"text_config": {"hidden_size": 2048, "vocab_size": 49152}, "vision_config": {}},
+                             "hidden size 576")]:
+        (verifier / "config.json").write_text(json.dumps({**served, **change}))
+        if refused is None:
+            assert with_speculator(llm, source)[1].algorithm == "peagle"
+        else:
+            with pytest.raises(PipelineError, match=rf"^serving\.model: models:/m@champion was trained on a "
+                                                    rf"verifier of {refused}; the served verifier '{verifier}' has "):
+                with_speculator(llm, source)
+    (verifier / "config.json").write_text(json.dumps(served))
+    with pytest.raises(PipelineError, match=r"^serving\.model: models:/m@champion was trained on verifier "
+                                            r"'SmolLM2-135M-Instruct', not on verifier\.name 'tiny-qwen3'$"):
+        with_speculator(llm, {**source, "verifier_name": "tiny-qwen3"})
+
+
 def test_bad_serving_settings_are_refused_by_name(tmp_path):
     with pytest.raises(PipelineError, match="serving.model"):
         validate(compose([f"paths.root={tmp_path}", "serving.model=champion"]))
 
 
-def register_speculator(tracker, tmp_path, algorithm, tags, trained_k=None):
+def register_speculator(tracker, tmp_path, algorithm, tags, trained_k=None, shapes=None):
     """An exported folder logged by a run and registered as `m`, alias champion; returns the version. trained_k
-    writes the speculators_config an export carries (its proposal's speculative_tokens)."""
+    writes the speculators_config an export carries (its proposal's speculative_tokens); shapes (hidden, vocab,
+    verifier architecture) the verifier's shapes it records."""
     export = tmp_path / "export"
     export.mkdir(exist_ok=True)
-    config = {"speculators_model_type": algorithm}
+    config: dict = {"speculators_model_type": algorithm}
     if trained_k is not None:
         config["speculators_config"] = {"proposal_methods": [{"proposal_type": "greedy",
                                                               "speculative_tokens": trained_k}]}
+    if shapes is not None:
+        config["target_hidden_size"], vocab, architecture = shapes
+        config["transformer_layer_config"] = {"vocab_size": vocab}
+        config.setdefault("speculators_config", {})["verifier"] = {"architectures": [architecture]}
     (export / "config.json").write_text(json.dumps(config))
     seal(export)  # as the export stage seals it
     with tracker.parent_run("evaluate") as run_id:
