@@ -71,6 +71,10 @@ def _leaves(value: Any, name: str = "", skip: tuple[str, ...] = ()) -> Iterator[
         yield name, value
 
 
+MAX_SEED = 2**32 - 1  # a seed every generator the pipeline seeds accepts, offsets added per rank or batch included
+MAX_INT = 2**63 - 1  # int64
+
+
 def _check_numbers(resolved: dict) -> None:
     """Every number in the config counts, sizes, rates, seeds, ports or weights something: none is negative, NaN or
     infinite (a NaN slips through every `x <= 0` check). Walks the resolved config's groups, nested settings, lists
@@ -80,6 +84,11 @@ def _check_numbers(resolved: dict) -> None:
     for name, value in _leaves(resolved, skip=UNCHECKED_NUMBERS):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             _require(math.isfinite(value) and value >= 0, f"{name}: must be a finite number >= 0, got {value}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            # torch's and numpy's generators take seeds of 32 (numpy's legacy) to 64 bits, tensors int64 sizes:
+            # a larger whole number overflowed deep inside a Ray worker, after the stages before it had run
+            limit = MAX_SEED if name.rsplit(".", 1)[-1].endswith("seed") else MAX_INT
+            _require(value <= limit, f"{name}: must be at most {limit}, got {value}")
 
 
 def _resolved(cfg: DictConfig) -> dict:
@@ -130,6 +139,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
     _validate_no_credentials(resolved)
+    _validate_registry_names(cfg)
     _validate_serving(cfg.serving)
     _validate_generation_parallelism(cfg.generation)
     _validate_cluster_shape(cfg)
@@ -236,6 +246,21 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(evaluation.gate.min_tau_gain >= 0,
              "evaluation.gate.min_tau_gain: must be >= 0 (a negative gain would promote a worse drafter)")
     _validate_alias(evaluation.gate.alias)
+
+
+def _validate_registry_names(cfg: DictConfig) -> None:
+    """The MLflow experiment and registered model names (the latter's default, <verifier.name>-<drafter.name>,
+    named by where it comes from; not checked when nothing is registered)."""
+    from pipeline.tracking import check_registry_names
+
+    explicit = cfg.tracking.registered_model_name
+    if not cfg.tracking.register and not explicit:
+        check_registry_names(cfg.tracking.experiment_name, "unregistered", "tracking.registered_model_name")
+        return
+    model_field = ("tracking.registered_model_name" if explicit
+                   else "verifier.name (the default tracking.registered_model_name is <verifier.name>-<drafter.name>)")
+    check_registry_names(cfg.tracking.experiment_name, explicit or f"{cfg.verifier.name}-{cfg.drafter.name}",
+                         model_field)
 
 
 def _validate_alias(alias: str) -> None:

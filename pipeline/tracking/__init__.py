@@ -279,6 +279,22 @@ def check_alias_name(alias: str, field: str) -> None:
         raise PipelineError(f"{field}: {error.message}") from None
 
 
+def check_registry_names(experiment_name: str, model_name: str, model_field: str) -> None:
+    """MLflow's own rules for an experiment name (non-empty, its length limit) and a registered model name (no '/'
+    or ':', a path-unique name), checked before any store is opened: MLflow refused them only once the store was
+    created, or at the export stage after the whole chain had run. Raises PipelineError naming the field
+    (`model_field`: tracking.registered_model_name, or where its default comes from)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_experiment_name, _validate_model_name
+
+    for field, name, check in (("tracking.experiment_name", experiment_name, _validate_experiment_name),
+                               (model_field, model_name, _validate_model_name)):
+        try:
+            check(name)
+        except MlflowException as error:
+            raise PipelineError(f"{field}: {error.message}") from None
+
+
 def log_metric_batch(client: Any, run_id: str, metrics: dict[str, float], step: Optional[int] = None) -> None:
     """One round trip for many metrics; usable from a Ray worker that only has the URI and the run id."""
     from mlflow.entities import Metric

@@ -132,6 +132,19 @@ OVERRIDES = [
     ("data.shuffle_seed=-1", "data.shuffle_seed: must be a finite number >= 0, got -1"),
     ("data.synthetic.temperature=nan", "data.synthetic.temperature: must be a finite number >= 0, got nan"),
     ("serving.replica_cpus=-4", "serving.replica_cpus: must be a finite number >= 0"),
+    # a whole number past what torch's generators or an int64 take overflowed inside a Ray worker
+    ("training.seed=99999999999999999999", "training.seed: must be at most 4294967295, got 99999999999999999999"),
+    ("evaluation.seed=4294967296", "evaluation.seed: must be at most 4294967295"),
+    ("generation.seed=4294967296", "generation.seed: must be at most 4294967295"),
+    ("data.synthetic.seed=4294967296", "data.synthetic.seed: must be at most 4294967295"),
+    ("training.max_steps=9223372036854775808", "training.max_steps: must be at most 9223372036854775807"),
+    # MLflow's rules for its names, before any store exists (they failed at the export stage, after the chain)
+    ("tracking.registered_model_name=bad/name", "tracking.registered_model_name: Invalid model name 'bad/name'"),
+    ("tracking.registered_model_name=a:b", "tracking.registered_model_name: Invalid model name 'a:b'"),
+    ("tracking.registered_model_name=..", "tracking.registered_model_name: Invalid value \"..\""),
+    ("verifier.name=Org/Model", "verifier.name (the default tracking.registered_model_name is <verifier.name>-"),
+    ("tracking.experiment_name=", "tracking.experiment_name: Invalid experiment name: ''"),
+    ("tracking.experiment_name=" + "x" * 501, "tracking.experiment_name: 'name' exceeds the maximum length"),
     # serving.autoscaling goes to Ray Serve: checked by its own model, an unknown key refused
     ("serving.autoscaling.max_replicas=abc", "serving.autoscaling.max_replicas: Input should be a valid integer"),
     ("serving.autoscaling.min_replicas=5", "serving.autoscaling: Value error, max_replicas (1) must be greater"),
@@ -139,7 +152,7 @@ OVERRIDES = [
 ]
 
 
-@pytest.mark.parametrize("override, message", OVERRIDES, ids=[case[0] for case in OVERRIDES])
+@pytest.mark.parametrize("override, message", OVERRIDES, ids=[case[0][:60] for case in OVERRIDES])
 def test_a_bad_override_exits_2_before_the_first_stage(override, message, tmp_path, capsys):
     cfg = compose([f"paths.root={tmp_path}", override])
     assert run_job(cfg, "pipeline") == 2
