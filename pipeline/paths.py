@@ -84,6 +84,16 @@ def prompt_file_digest(source: Any, path: Any, field: str = "data.path") -> str 
         raise PipelineError(f"{field}: prompt file '{file}' cannot be read ({error.strerror or error})") from None
 
 
+def local_path_identity(value: Any) -> Any:
+    """A path setting as its key holds it: a local file or folder by its resolved absolute path, so `dir`, `dir/`,
+    `./dir`, `~/dir` and a symlink to it key one run (each spelling made a new folder and ran everything again);
+    anything else (None, a hub id, a path not there yet) as written."""
+    if not value:
+        return value
+    path = Path(str(value)).expanduser()
+    return str(path.resolve()) if path.exists() else value
+
+
 def _keyed_by_content(settings: dict, source: Any, field: str) -> dict:
     """settings with a local prompt file keyed by its bytes instead of where it lies: the same file on a laptop
     and on a cluster's shared mount selects the same prompts, an edited one new prompts."""
@@ -181,6 +191,7 @@ def _training_settings(cfg: DictConfig) -> dict:
     anchors and order from its own seeded generators). Settings the run's optimizer does not read (Muon's under
     AdamW, grad_clip under DeepSpeed's Muon) are keyed at their defaults: another value resumes the same run."""
     training = result_settings(cfg.training, TrainingConfig)
+    training["resume_from"] = local_path_identity(training.get("resume_from"))
     if training.get("autocast_dtype") == "auto":
         training["autocast_dtype"] = f"auto:{_auto_precision(cfg)}"
     if not _selects_by_val_tau(cfg):
@@ -202,6 +213,7 @@ class StagePaths:
     def __init__(self, cfg: DictConfig):
         self.root = Path(cfg.paths.root).expanduser().resolve()
         verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
+        verifier["path"] = local_path_identity(verifier["path"])
         verifier.update(chat_additions(cfg.verifier))  # only when set: SmolLM2's keys stay as they were
         if cfg.verifier.get("tiny"):  # likewise: a tiny family verifier is named by its family and build
             from pipeline.generation.tiny_verifier import build_name

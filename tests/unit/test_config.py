@@ -387,6 +387,29 @@ def test_an_edited_prompt_file_keys_new_prompts_and_an_untouched_one_keeps_them(
     assert StagePaths(moved).prompts_key == edited.prompts_key
 
 
+def test_one_local_folder_spelled_differently_keys_one_run(tmp_path, monkeypatch):
+    """training.resume_from and verifier.path hashed as written: `dir/`, `./dir` or a symlink made a new run folder
+    and trained (or generated) everything again. A hub id, and a path that is not there, stay as written."""
+    from pipeline.paths import StagePaths
+
+    checkpoint = tmp_path / "checkpoints" / "final"
+    checkpoint.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(checkpoint)
+    monkeypatch.chdir(tmp_path)
+    spellings = [str(checkpoint), f"{checkpoint}/", "checkpoints/final", "./checkpoints/../checkpoints/final",
+                 str(tmp_path / "link")]
+    for field, key in (("training.resume_from", "train_key"), ("verifier.path", "regenerated_key")):
+        base = ["verifier=hf", "verifier.name=v", "verifier.path=org/model"] if field == "training.resume_from" else [
+            "verifier=hf", "verifier.name=v"]
+        keys = {getattr(StagePaths(compose([*base, f"{field}={spelling}"])), key) for spelling in spellings}
+        assert len(keys) == 1, field
+        other = tmp_path / "other"
+        other.mkdir(exist_ok=True)
+        assert getattr(StagePaths(compose([*base, f"{field}={other}"])), key) not in keys
+    hub = StagePaths(compose(["verifier=hf", "verifier.name=v", "verifier.path=org/model"]))
+    assert hub.verifier_identity["path"] == "org/model"
+
+
 @pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true",
                                       "deepspeed.offload_optimizer=true", "+deepspeed.extra.wall_clock_breakdown=true"])
 def test_deepspeed_settings_key_a_run_only_when_deepspeed_trains_it(override):
