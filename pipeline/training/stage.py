@@ -124,7 +124,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         spec=spec.to_dict(), store_dir=str(store), last_layer_id=manifest["num_verifier_layers"],
         drafter=drafter, training=training, deepspeed=deepspeed,
         tracking_uri=ctx.tracker.uri if ctx.tracker else None, run_id=run_id, val_tau=_val_tau_settings(ctx))
-    resume_from = _resume_from(ctx)
+    resume_from, own = _resume_from(ctx)
     if resume_from:  # refuse another drafter's checkpoint, or another data order, before starting workers
         point = read_resume_point(resume_from, spec)
         assert point is not None  # a folder always has one
@@ -132,6 +132,10 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         check_optimizer_carries_over(point, training, training.num_workers,
                                      deepspeed.zero_stage if deepspeed.enabled else -1)
         check_same_optimizer_split(point, planned_optimizer_split(spec, training))
+        if not own and point.step >= cfg.training.max_steps:
+            # a shorter run would be that checkpoint under another run's name, and its later schedule never ran
+            raise PipelineError(f"training.max_steps: {cfg.training.max_steps} leaves nothing to train after step "
+                                f"{point.step}, which training.resume_from '{resume_from}' already holds")
         if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
             log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
                         "among the run's checkpoints is not made again)", resume_from, point.step,
@@ -208,12 +212,14 @@ def own_latest_checkpoint(cfg, paths: StagePaths) -> Path | None:
     return latest_complete_checkpoint(storage / _run_name(paths))
 
 
-def _resume_from(ctx: Context) -> Path | None:
-    """This config's own latest checkpoint (a rerun after a crash continues it), else training.resume_from."""
+def _resume_from(ctx: Context) -> tuple[Path | None, bool]:
+    """(this config's own latest checkpoint (a rerun after a crash continues it), True), else
+    (training.resume_from or None, False)."""
     own = own_latest_checkpoint(ctx.cfg, ctx.paths)
     if own is not None:
-        return own
-    return Path(ctx.cfg.training.resume_from).expanduser().resolve() if ctx.cfg.training.resume_from else None
+        return own, True
+    given = ctx.cfg.training.resume_from
+    return (Path(given).expanduser().resolve() if given else None), False
 
 
 def _checkpoint_config(training):

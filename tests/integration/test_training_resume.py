@@ -174,6 +174,21 @@ def test_a_checkpoint_of_another_drafter_is_refused_before_training(store, tiny_
         run_stages(cfg, "train", ["train"])
 
 
+@pytest.mark.slow  # it needs the reference run too
+@pytest.mark.parametrize("max_steps", [STEPS, STEPS - 1])
+def test_a_given_checkpoint_at_or_past_max_steps_is_refused_not_copied_as_a_shorter_run(store, tiny_verifier_path,
+                                                                                        reference, max_steps):
+    """Its copy would be another run's result under this run's key (and a shorter schedule it never followed)."""
+    reference_cfg, _ = reference
+    final = StagePaths(reference_cfg).final_checkpoint
+    cfg, _ = with_store(store, tiny_verifier_path, f"short-{max_steps}", f"training.max_steps={max_steps}",
+                        f"training.resume_from={final}")
+    with pytest.raises(PipelineError, match=rf"^training\.max_steps: {max_steps} leaves nothing to train after "
+                                            rf"step {STEPS}, which training\.resume_from '{final}' already holds$"):
+        run_stages(cfg, "train", ["train"])
+    assert not StagePaths(cfg).final_checkpoint.exists()
+
+
 # Every anchor and every depth: the drafter's loss then draws nothing at random, so runs can match step for step.
 DETERMINISTIC = ["drafter.max_anchors=null", "drafter.depth_keep_decay=1.0", "training.autocast_dtype=null",
                  "training.max_steps=6", "training.micro_batch_size=1"]
