@@ -64,8 +64,9 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
 def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> None:
     """The files this job's stages read that the config names, checked before any stage (validate cannot: on a
     cluster they live on its shared mount, not where the manifests are rendered): a jsonl/parquet prompt file, the
-    file of each eval set evaluated, a training.resume_from folder, and the trained drafter a job evaluates or
-    exports without training it. Raises PipelineError naming the field or the stage."""
+    file of each eval set evaluated, a training.resume_from folder, and what a stage reads that an earlier stage
+    makes when this job does not run that one (_made_before). Raises PipelineError naming the field or the
+    stage."""
     from pipeline.data.prompts import LOCAL_FILE_SOURCES, prompt_file
     from pipeline.evaluation.eval_sets import set_config
     from pipeline.training.stage import own_latest_checkpoint
@@ -83,10 +84,30 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
     if "train" in stages and resume_from and not (paths.final_checkpoint / "spec.json").is_file() \
             and own_latest_checkpoint(cfg, paths) is None and not Path(str(resume_from)).expanduser().is_dir():
         raise PipelineError(f"training.resume_from: '{resume_from}' is not a checkpoint folder (no such folder)")
-    reads_checkpoint = {"evaluate", "export"} & set(stages)
-    if reads_checkpoint and "train" not in stages and not (paths.final_checkpoint / "spec.json").is_file():
-        raise PipelineError(f"{min(reads_checkpoint)}: no trained drafter at {paths.final_checkpoint}; run "
-                            "jobs/train.py with this config first")
+    for stage in stages:
+        for maker, folder, marker, what, remedy in _made_before(stage, paths):
+            if maker not in stages[:stages.index(stage)] and not (folder / marker).exists():
+                raise PipelineError(f"{stage}: no {what} at {folder}; {remedy}")
+
+
+def _made_before(stage: str, paths: StagePaths) -> list[tuple[str, Path, str, str, str]]:
+    """What `stage` reads that an earlier stage makes, when this job does not run that stage first: (the stage
+    that makes it, its folder, the file whose presence marks it made ("" for the folder itself), what it is, what
+    to run). Each stage checks these itself too; checked here, a job missing one is refused before MLflow's
+    store, its runs, a lock or a log is made."""
+    trained = ("train", paths.final_checkpoint, "spec.json", "trained drafter",
+               "run jobs/train.py with this config first")
+    if stage == "capture":
+        return [("regenerate", paths.regenerated, "", "regenerated set", "run jobs/generate.py first")]
+    if stage == "train" and not (paths.final_checkpoint / "spec.json").is_file():  # reused without its store
+        return [("capture", paths.store, "manifest.json", "hidden-state store (manifest.json)",
+                 "run jobs/generate.py with this config first")]
+    if stage in ("evaluate", "export"):
+        return [trained]
+    if stage == "vllm_eval":
+        return [trained, ("evaluate", paths.evaluation, "report.json", "evaluation report", "run the evaluate stage"),
+                ("export", paths.export, "config.json", "exported checkpoint", "run the export stage")]
+    return []
 
 
 def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> None:

@@ -171,6 +171,10 @@ def validate(cfg: DictConfig) -> None:
     for stage in cfg.stages:
         _require(stage in schema_module.STAGE_NAMES,
                  f"stages: unknown stage '{stage}'; known: {schema_module.STAGE_NAMES}")
+    # each stage reads what the ones before it in this order make: [train, prompts] failed in train after the store
+    order = [schema_module.STAGE_NAMES.index(stage) for stage in cfg.stages]
+    _require(order == sorted(set(order)), f"stages: {list(cfg.stages)} must name each stage once, in the order "
+                                          f"{list(schema_module.STAGE_NAMES)}")
     _check_numbers(resolved)  # last: a field's own check above says more (its range, what 0 means)
 
 

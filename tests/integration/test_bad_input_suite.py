@@ -112,6 +112,8 @@ OVERRIDES = [
     ("serving.model=runs:/0a1b//etc", "serving.model: 'runs:/0a1b//etc': the path after the run id"),
     ("serving.model=models:/m/latest", "serving.model: 'models:/m/latest' is not"),
     ("stages=[prompts,nope]", "stages: unknown stage 'nope'"),
+    ("stages=[train,prompts]", "stages: ['train', 'prompts'] must name each stage once, in the order ['prompts', "),
+    ("stages=[prompts,prompts]", "stages: ['prompts', 'prompts'] must name each stage once"),
     ("+training.no_such_option=3", "training.no_such_option: unknown config key"),
     # each reached a Ray worker or vLLM before it failed
     ("training.torch_threads_per_worker=0", "training.torch_threads_per_worker: must be >= 1"),
@@ -664,7 +666,14 @@ def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, t
     ("train", ["training.resume_from={missing}"], r"training\.resume_from: '.*missing\.jsonl' is not a checkpoint "
                                                   r"folder \(no such folder\)"),
     ("evaluate", [], r"evaluate: no trained drafter at '?.*/final'?; run jobs/train\.py with this config first"),
-], ids=["prompt file", "prompt folder", "eval set file", "resume_from", "no checkpoint"])
+    ("train", [], r"train: no hidden-state store \(manifest\.json\) at .*/stores/\w+; run jobs/generate\.py with "
+                  r"this config first"),
+    ("pipeline", ["stages=[capture]"], r"capture: no regenerated set at .*/regenerated/\w+; run jobs/generate\.py "
+                                       r"first"),
+    ("pipeline", ["stages=[vllm_eval]"], r"vllm_eval: no trained drafter at .*/final; run jobs/train\.py with this "
+                                         r"config first"),
+], ids=["prompt file", "prompt folder", "eval set file", "resume_from", "no checkpoint", "no store", "no answers",
+        "nothing to cross-check"])
 def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, message, tmp_path, tiny_verifier_path,
                                                                    prompts_jsonl, capsys):
     """Each was refused only inside its stage: after MLflow's store, the stage locks, the prompts the evaluate job
