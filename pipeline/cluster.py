@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from pipeline.errors import PipelineError
 from pipeline.logs import ray_runtime_env
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,52 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     start_local(lambda: ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
                                   runtime_env=ray_runtime_env(), **extra))
     _started_locally = True
+
+
+def local_ray_cpus(cluster_cfg: Any) -> Optional[int]:
+    """The CPUs of the local Ray ensure_ray would start for this job (cluster.local_num_cpus, else what Ray counts
+    on this machine, its container's limit included); None when the job joins a cluster or a Ray already running
+    in this process, whose size is not known here."""
+    import ray
+
+    if cluster_cfg.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        return None
+    if cluster_cfg.local_num_cpus:
+        return int(cluster_cfg.local_num_cpus)
+    try:
+        from ray._private.utils import get_num_cpus  # how ray.init counts them
+
+        return int(get_num_cpus())
+    except Exception:  # noqa: BLE001 - a private helper: fall back to what the OS says
+        return os.cpu_count()
+
+
+def check_fits_local_ray(cfg: Any, stages: list[str]) -> None:
+    """Refuse CPU requests a local Ray cannot grant: Ray queues an infeasible request and waits (Ray Train retried
+    its worker group every minute, for ever). Checks the Ray Train workers (1 CPU each), the verifier's actor
+    pool (regenerate, capture) and the prompt writer's task (a synthetic data source). Raises PipelineError
+    naming the setting."""
+    cpus = local_ray_cpus(cfg.cluster)
+    if cpus is None:
+        return
+    requests = []
+    if "train" in stages:
+        requests.append(("training.num_workers", cfg.training.num_workers,
+                         f"{cfg.training.num_workers} Ray Train workers of 1 CPU"))
+    if {"regenerate", "capture"} & set(stages):
+        gen = cfg.generation
+        requests.append(("generation.num_actors", gen.num_actors * gen.cpus_per_actor,
+                         f"{gen.num_actors} verifier actors of generation.cpus_per_actor={gen.cpus_per_actor} CPUs"))
+    from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
+
+    # regenerate and evaluate make the prompts too when no earlier job has
+    if {"prompts", "regenerate", "evaluate"} & set(stages) and cfg.data.source in WRITTEN_BY_THE_VERIFIER:
+        requests.append(("data.synthetic.cpus", cfg.data.synthetic.cpus, "the prompt writer's task"))
+    for field, needed, what in requests:
+        if needed > cpus:
+            raise PipelineError(f"{field}: asks for {needed} CPUs ({what}); the local Ray this job starts has {cpus} "
+                                "(cluster.local_num_cpus, or this machine's); lower it, or join a cluster "
+                                "(cluster.address / RAY_ADDRESS)")
 
 
 def start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from pipeline.cluster import shutdown_if_started_here
+from pipeline.cluster import check_fits_local_ray, shutdown_if_started_here
 from pipeline.config import validate
 from pipeline.context import Context
 from pipeline.errors import PipelineError
@@ -45,6 +45,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
     check_input_files(cfg, stages, ctx.paths)
+    check_fits_local_ray(cfg, stages)
     ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
     results: dict[str, Any] = {}
     times = StageTimes()

@@ -687,6 +687,35 @@ def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, m
     assert not root.exists() or not any(root.iterdir())
 
 
+@pytest.mark.parametrize("job, override, message", [
+    ("pipeline", "training.num_workers=64", r"training\.num_workers: asks for 64 CPUs \(64 Ray Train workers of "),
+    ("generate", "generation.num_actors=64", r"generation\.num_actors: asks for \d+ CPUs \(64 verifier actors of "),
+    ("generate", "cluster.local_num_cpus=1", r"generation\.num_actors: asks for 2 CPUs .*the local Ray this job "
+                                             r"starts has 1 "),
+])
+def test_a_request_the_local_ray_cannot_grant_is_refused_before_it_waits_for_ever(job, override, message, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """Ray queues an infeasible request: Ray Train retried its worker group every minute with no end."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = compose([f"paths.root={tmp_path}", override])
+    assert run_job(cfg, job) == 2
+    assert re.match(f"error: {message}", _error_line(capsys))
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_job_that_joins_a_cluster_is_not_held_to_this_machines_cpus(monkeypatch):
+    from pipeline.cluster import check_fits_local_ray
+
+    cfg = compose(["training.num_workers=64"])
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    check_fits_local_ray(cfg, ["train"])
+    monkeypatch.delenv("RAY_ADDRESS")
+    check_fits_local_ray(compose(["training.num_workers=64", "cluster.address=10.0.0.1:6379"]), ["train"])
+    check_fits_local_ray(compose(["training.num_workers=64", "cluster.local_num_cpus=64"]), ["train"])
+    with pytest.raises(PipelineError, match=r"^training\.num_workers: "):
+        check_fits_local_ray(cfg, ["train"])
+
+
 def test_serving_with_no_store_to_resolve_from_creates_none(tmp_path, capsys, monkeypatch):
     from pipeline.serving.job import run_serve
 
