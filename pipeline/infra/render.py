@@ -10,6 +10,7 @@ import yaml
 from omegaconf import DictConfig
 
 from pipeline.config import compose, validate
+from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.infra.kuberay import ray_cluster, ray_job, ray_service
 from pipeline.infra.launcher import cluster_launcher
@@ -39,8 +40,18 @@ def jobs_serve_config(cfg: DictConfig) -> dict:
     return serve_config_for(cfg, resolve_verifier_path(cfg.verifier), tracking_uri(cfg))
 
 
+PICKED_GROUPS = ("experiment", "cluster")  # chosen per rendered file, never by an override
+
+
 def rendered_files(overrides: list[str], experiments=EXPERIMENTS, shapes=CLUSTER_SHAPES) -> dict[str, str]:
-    """Relative path under infra/ -> file text."""
+    """Relative path under infra/ -> file text. Raises PipelineError for an override of a group it picks itself
+    (`experiment`, `cluster`): a RayJob named after one experiment ran another, on a cluster with no GPU pod."""
+    for override in overrides:
+        group = override.partition("=")[0].lstrip("+~")
+        if group in PICKED_GROUPS:
+            raise PipelineError(f"overrides: '{override}': render_infra renders each experiment on its own cluster "
+                                "shape; choose experiments with --experiment, and override fields "
+                                f"({group}.<field>=...), not the group")
     files = {}
     for shape in shapes:
         cfg = compose([f"cluster={shape}", *overrides])

@@ -66,7 +66,33 @@ def manifest_problems(document: dict) -> list[str]:
     if not isinstance(document, dict) or not isinstance(document.get("kind"), str) \
             or not isinstance(document.get("apiVersion"), str):
         return ["<root>: not a Kubernetes object (apiVersion and kind are required)"]
-    return _schema_problems(document) + list(_container_image_problems(document))
+    return (_schema_problems(document) + list(_container_image_problems(document))
+            + _unschedulable_entrypoint(document))
+
+
+def _unschedulable_entrypoint(document: dict) -> list[str]:
+    """A RayJob whose driver asks for a custom resource (entrypointResources) that no pod of its cluster offers
+    (the head's or a worker group's `resources`, a group with at least one replica): Ray never schedules it and
+    the job waits for ever. The schemas cannot see this: each field is valid alone."""
+    import json
+
+    spec = document.get("spec") if document.get("kind") == "RayJob" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("entrypointResources"), str):
+        return []
+    try:
+        wanted = json.loads(spec["entrypointResources"])
+    except ValueError:
+        return ["spec.entrypointResources: not a JSON object of resource amounts"]
+    if not isinstance(wanted, dict):
+        return ["spec.entrypointResources: not a JSON object of resource amounts"]
+    cluster = spec.get("rayClusterSpec") or {}
+    groups = [cluster.get("headGroupSpec") or {}] + [
+        group for group in cluster.get("workerGroupSpecs") or []  # a replica count of the wrong type: the schema's
+        if isinstance(group, dict) and (not isinstance(group.get("replicas"), int) or group["replicas"] > 0)]
+    offered = {name for group in groups if isinstance(group.get("resources"), dict) for name in group["resources"]}
+    return [f"spec.entrypointResources: '{name}' is offered by no pod of the cluster (no group with replicas > 0 "
+            "lists it under resources), so the driver never starts"
+            for name in wanted if name not in ("CPU", "GPU", "memory") and name not in offered]
 
 
 def _schema_problems(document: dict) -> list[str]:

@@ -92,6 +92,29 @@ def test_a_container_without_an_image_is_a_problem_in_every_kind(image):
         in manifest_problems(deployment)
 
 
+def test_a_job_whose_driver_no_pod_can_take_is_a_problem():
+    """The driver asks for pipeline_driver, which only the GPU pods offer: with none of them the job never starts."""
+    job = load(INFRA / "k8s" / "rayjob-qwen3_8b_peagle.yaml")
+    assert manifest_problems(job) == []
+    no_workers = copy.deepcopy(job)
+    no_workers["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = 0
+    unoffered = copy.deepcopy(job)
+    del unoffered["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["resources"]
+    for broken in (no_workers, unoffered):
+        assert f"spec.entrypointResources: '{DRIVER_RESOURCE}' is offered by no pod of the cluster (no group with " \
+               "replicas > 0 lists it under resources), so the driver never starts" in manifest_problems(broken)
+    job["spec"]["entrypointResources"] = "[1]"
+    assert "spec.entrypointResources: not a JSON object of resource amounts" in manifest_problems(job)
+
+
+@pytest.mark.parametrize("override", ["experiment=smoke", "cluster=local", "+cluster=a100_1x", "~experiment"])
+def test_render_infra_refuses_an_override_of_the_groups_it_picks_per_file(override):
+    """experiment=smoke rendered rayjob-qwen3_8b_peagle.yaml running smoke on a cluster with no GPU pod."""
+    with pytest.raises(PipelineError, match=rf"^overrides: '{re.escape(override)}': render_infra renders each "):
+        rendered_files([override], ("qwen3_8b_peagle",), ())
+    assert rendered_files(["cluster.kubernetes.namespace=team"], ("qwen3_8b_peagle",), ())  # a field is fine
+
+
 @pytest.mark.parametrize("override", ["cluster.kubernetes.image=''", "cluster.kubernetes.namespace=' x'",
                                       "cluster.kubernetes.hf_secret='  '", "cluster.launcher.project_id=''"])
 def test_an_empty_name_for_the_cluster_files_is_refused_by_field(override):
