@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from pipeline.cluster import check_fits_local_ray, shutdown_if_started_here
 from pipeline.config import validate
+from pipeline.config.schema import PathsConfig
 from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
@@ -171,6 +172,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    _note_absent_root(sys.argv[1:])
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
@@ -216,6 +218,27 @@ def refuse_credentials_in_overrides(arguments: list[str]) -> None:
                 raise PipelineError("paths.root: must name a folder (it is empty)")
 
 
+_root_made_here: Path | None = None  # the top-most folder of paths.root that did not exist when the job started
+
+
+def _note_absent_root(arguments: list[str]) -> None:
+    """Remember the part of paths.root (the command line's, else the schema's default) that does not exist yet:
+    Hydra makes it for its run folder before any check, and a refused job should leave nothing it made. A root
+    given through an interpolation or a sweep is not followed."""
+    global _root_made_here
+    root = PathsConfig.root
+    for argument in arguments:
+        key, _, value = argument.partition("=")
+        if key.lstrip("+") == "paths.root":
+            root = value
+    if "${" in root or "," in root:
+        return
+    path, top = Path(root).expanduser().absolute(), None
+    while not path.exists() and path != path.parent:
+        path, top = path.parent, path
+    _root_made_here = top
+
+
 def _raised_making_hydras_run_folder(error: OSError) -> bool:
     """Whether `error` came from Hydra's own mkdir of the job's run folder (hydra.core.utils.run_job), before any
     job code ran, rather than from the job."""
@@ -253,7 +276,9 @@ def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
     own_log.unlink()  # only this job's: another job started in the same second shares the folder
     sweep = Path(hydra.sweep.dir).resolve() if hydra.mode == RunMode.MULTIRUN else None
     for empty in (folder, *folder.parents):  # the run folder, the date folder, then hydra/, while empty
-        if empty == root:
+        if empty == root and not _made_by_this_job(root):
+            break
+        if _root_made_here is not None and empty == _root_made_here.resolve().parent:  # existed before the job
             break
         if empty == sweep:
             _remove_sweep_record_of_refused_sweep(sweep)
@@ -261,6 +286,13 @@ def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
             empty.rmdir()
         except OSError:  # holds another run's log or folder
             break
+
+
+def _made_by_this_job(root: Path) -> bool:
+    """Whether paths.root lies in what did not exist before this job (_note_absent_root): then it goes too, once
+    empty, up to the top-most folder the job made."""
+    made = _root_made_here.resolve() if _root_made_here else None
+    return made is not None and (root == made or made in root.parents)
 
 
 def _remove_sweep_record_of_refused_sweep(sweep: Path) -> None:

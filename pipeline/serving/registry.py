@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -89,6 +90,7 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
     local = into / path
     if _usable(local):
         return local
+    made = [folder for folder in (into.parent, *into.parent.parents) if not folder.exists()]
     into.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{into.name}.", dir=into.parent))
     try:
@@ -102,6 +104,12 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
             if not _usable(local):
                 shutil.rmtree(into, ignore_errors=True)
                 os.rename(staging, into)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in made:  # a failed first download leaves no empty download folders behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return local

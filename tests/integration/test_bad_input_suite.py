@@ -337,6 +337,20 @@ def test_a_refused_job_leaves_no_hydra_run_folder_but_keeps_another_runs(tmp_pat
         "hydra", "hydra/2026-01-01", "hydra/2026-01-01/00-00-00", "hydra/2026-01-01/00-00-00/train.log"]
 
 
+def test_a_refused_job_leaves_no_paths_root_it_made_but_keeps_one_that_was_there(tmp_path):
+    """Hydra makes paths.root (and the folders above it) for its run folder before any check."""
+    for job in ("train", "serve"):
+        root = tmp_path / "new" / "root"
+        result = subprocess.run([sys.executable, f"jobs/{job}.py", f"paths.root={root}", "training.lr=-1"],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.strip() == "error: training.lr: must be > 0", result.stderr
+        assert list(tmp_path.iterdir()) == []
+    (tmp_path / "there").mkdir()
+    subprocess.run([sys.executable, "jobs/train.py", f"paths.root={tmp_path / 'there'}", "training.lr=-1"],
+                   cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert [p.name for p in tmp_path.iterdir()] == ["there"] and not any((tmp_path / "there").iterdir())
+
+
 def test_a_sweep_refused_at_its_first_job_leaves_no_sweep_record(tmp_path):
     result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={tmp_path}", "training.lr=-1,1e-3"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)

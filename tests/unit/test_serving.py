@@ -291,7 +291,11 @@ def test_a_finished_download_is_reused_and_a_failed_one_leaves_nothing(tmp_path,
     monkeypatch.setattr(tracker.client, "download_artifacts", broken_download)
     with pytest.raises(OSError):
         resolve(tracker.client, "models:/m@champion", tmp_path / "other")
-    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").iterdir())
+    assert not (tmp_path / "other").exists()  # nor the download folder it made for it
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(OSError):
+        resolve(tracker.client, "models:/m@champion", tmp_path / "kept" / "deeper")
+    assert list((tmp_path / "kept").iterdir()) == []  # a folder there before stays
 
 
 RAY_METRICS = """\
