@@ -24,6 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark"]
 K = 7
@@ -149,8 +150,8 @@ def main() -> None:
         parser.error(f"--steps {args.steps}: must be at least 1")
     if args.command == "harness" and Path(args.root).exists() and not Path(args.root).is_dir():
         parser.error(f"--root {args.root}: is a file; give the output root folder")
-    if Path(args.out).is_dir():
-        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
+    if output_file_problem(args.out):
+        parser.error(output_file_problem(args.out))
     result = harness(args) if args.command == "harness" else loss_scaling(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 
 def chat_samples(tokenizer, count: int, regenerated: str | None) -> list[list[int]]:
@@ -107,8 +108,8 @@ def main() -> None:
             parser.error(f"--{flag} {getattr(args, flag)}: must be at least 1")
     if args.regenerated and not (Path(args.regenerated) / "dataset_info.json").is_file():
         parser.error(f"--regenerated {args.regenerated}: no saved dataset there (a regenerated/<key> folder)")
-    if Path(args.out).is_dir():
-        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
+    if output_file_problem(args.out):
+        parser.error(output_file_problem(args.out))
     results = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -30,11 +30,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 import torch  # noqa: E402
 
 from pipeline.config.schema import DeepSpeedConfig, TrainingConfig  # noqa: E402
 from pipeline.errors import PipelineError, require  # noqa: E402
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark", "dflash2"]
 DEVICE = "cuda"
@@ -262,6 +262,8 @@ def main() -> int:
         parser.error(f"--steps {args.steps}: must be at least 2")
     if args.samples < 1:
         parser.error(f"--samples {args.samples}: must be at least 1")
+    if output_file_problem(args.out):  # written after every check has run: said now
+        parser.error(output_file_problem(args.out))
     tokenizer = load_tokenizer(args.tokenizer)  # before the device check, so bad input is named on any machine
     global DEVICE
     DEVICE = "cpu" if args.cpu_dry_run else "cuda"

@@ -132,9 +132,10 @@ def _report(path: Path, flag: str) -> dict:
 
 def check_out(out: Path) -> None:
     """--out must be a file this script can write: not a folder, and under no file."""
-    require(not out.is_dir(), f"--out {out}: is a folder; give the JSON file to write")
-    require(not any(parent.exists() and not parent.is_dir() for parent in out.parents),
-            f"--out {out}: a folder above it is a file")
+    from pipeline.fsutil import output_file_problem
+
+    problem = output_file_problem(out)
+    require(problem is None, problem or "")
 
 
 def check_overrides(overrides: list[str]) -> None:

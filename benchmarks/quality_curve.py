@@ -29,7 +29,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from benchmarks.training import (  # noqa: E402
     STORE_FOLDERS,
     check_overrides,
@@ -39,6 +38,7 @@ from benchmarks.training import (  # noqa: E402
     write_json,
 )
 from pipeline.errors import PipelineError, read_json  # noqa: E402
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 DRAFTERS = ["peagle", "eagle3"]
 EVAL_SETS = ["held_out", "code", "math", "chat"]
@@ -275,8 +275,8 @@ def main() -> None:
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-quality-curve"
     check_work(root, work, args.drafters)  # fresh_root empties work/<drafter>: never the root or a folder holding it
     out = Path(args.out)
-    if out.is_dir():
-        parser.error(f"--out {out}: is a folder; give the JSON file to write")
+    if output_file_problem(out):
+        parser.error(output_file_problem(out))
     try:  # not UTF-8, not JSON, nested past the recursion limit: one line
         result = read_json(out, f"--out {out}: --update") if args.update and out.is_file() else {}
     except PipelineError as error:

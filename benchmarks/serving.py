@@ -25,8 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from pipeline.errors import PipelineError, require  # noqa: E402
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -125,6 +125,8 @@ def main() -> None:
     for flag in ("clients", "requests", "max_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if output_file_problem(args.out):  # written after the load test: said now
+        parser.error(output_file_problem(args.out))
     root = args.root.expanduser().resolve()
     cfg, model, client, version = served_target(root, args.overrides)
 

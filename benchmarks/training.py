@@ -47,8 +47,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark"]
 K = 4  # the CPU drafter configs' num_speculative_tokens
@@ -541,8 +541,8 @@ def main() -> None:
     for flag in counts:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
-    if Path(args.out).is_dir():
-        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
+    if output_file_problem(args.out):
+        parser.error(output_file_problem(args.out))
     result = {"step-time": step_time, "throughput": throughput, "feed": feed}[args.command](args)
     out = write_json(result, args.out)
     print(json.dumps(result, indent=2))

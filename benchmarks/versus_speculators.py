@@ -41,7 +41,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from benchmarks.training import (  # noqa: E402
     STORE_FOLDERS,
     check_overrides,
@@ -52,6 +51,7 @@ from benchmarks.training import (  # noqa: E402
     write_json,
 )
 from pipeline.errors import PipelineError, read_json  # noqa: E402
+from pipeline.fsutil import output_file_problem  # noqa: E402
 
 DRAFTERS = ["peagle", "eagle3", "dflash", "dspark"]
 # vLLM 0.32 on CPU has no DSpark (pipeline.evaluation.vllm_check): both exports are measured by our lossless
@@ -551,8 +551,8 @@ def main() -> None:
     for flag in ("steps", "prompts_per_set", "max_new_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
-    if Path(args.out).is_dir():
-        parser.error(f"--out {args.out}: is a folder; give the JSON file to write")
+    if output_file_problem(args.out):
+        parser.error(output_file_problem(args.out))
 
     root = Path(args.root).expanduser().resolve()
     missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]

@@ -88,3 +88,16 @@ def safetensors_is_whole(path: Path) -> bool:
         return size == 8 + header_size + data_bytes
     except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError):
         return False
+
+
+def output_file_problem(path: Path | str, flag: str = "--out") -> str | None:
+    """Why `path` cannot take a file this process writes at the end of a long run (None when it can): it is a
+    folder, or a folder above it is a file. Checked before the run, so a mistyped --out is one line at once rather
+    than a traceback after the work."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{flag} {path}: is a folder; give the JSON file to write"
+    if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+        return f"{flag} {path}: a folder above it is a file"
+    return None
+

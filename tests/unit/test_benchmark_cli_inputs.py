@@ -236,3 +236,29 @@ def test_machine_info_says_whether_auto_autocast_trains_in_bf16(monkeypatch):
     assert info["onednn_max_cpu_isa"] == "AVX2"
     assert info["native_bf16"] is native_bf16("cpu")
     assert (resolve_autocast("auto", "cpu") is not None) == info["native_bf16"]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("benchmarks/serving.py", ["--root", "{root}"]), ("benchmarks/gpu_check.py", ["--tokenizer", "{root}"]),
+    ("benchmarks/drafters.py", ["harness"]), ("benchmarks/generation.py", []),
+    ("benchmarks/training.py", ["step-time"]), ("benchmarks/versus_speculators.py", ["--root", "{root}"]),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_an_out_file_under_a_file_is_one_line_before_the_run(tmp_path, script, args):
+    """serving.py and gpu_check.py wrote --out only after their whole run (a traceback then); the others checked
+    for a folder only."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "result.json"
+    result = _cli(script, *[a.format(root=tmp_path) for a in args], "--out", str(out), cwd=tmp_path)
+    _one_line(result, f"--out {out}: a folder above it is a file")
+
+
+def test_an_output_file_problem_names_a_folder_and_a_file_above():
+    from pipeline.fsutil import output_file_problem
+
+    with tempfile.TemporaryDirectory() as folder:
+        assert output_file_problem(Path(folder)) == f"--out {folder}: is a folder; give the JSON file to write"
+        assert output_file_problem(Path(folder) / "new" / "x.json") is None
+        (Path(folder) / "f").write_text("")
+        assert output_file_problem(Path(folder) / "f" / "x.json", "--json") == \
+            f"--json {Path(folder) / 'f' / 'x.json'}: a folder above it is a file"
