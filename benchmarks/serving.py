@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from pipeline.errors import PipelineError, require  # noqa: E402
+from pipeline.evaluation.gate import tag_tau  # noqa: E402
 from pipeline.fsutil import output_file_problem  # noqa: E402
 
 
@@ -151,8 +152,7 @@ def main() -> None:
         "model": model, "version": version.version if version else None,
         "clients": args.clients, "max_tokens": args.max_tokens, **results,
         "identical_outputs": sum(a == b for a, b in zip(texts["speculative"], texts["plain"])),
-        "evaluated_tau": float(version.tags["eval.pooled_tau"])
-        if version and "eval.pooled_tau" in version.tags else None,
+        "evaluated_tau": tag_tau(version.tags) if version else None,  # None for a tag edited to no number
         "speculative_over_plain_tokens_per_s": results["speculative"]["output_tokens_per_s"]
         / results["plain"]["output_tokens_per_s"],
     }

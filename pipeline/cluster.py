@@ -43,15 +43,28 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     _started_locally = True
 
 
+def running_local_cluster() -> Optional[str]:
+    """The address of a Ray started on this machine with `ray start` (ray.init() with no address joins it), else
+    None."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # how ray.init finds it
+
+        return canonicalize_bootstrap_address(None)  # type: ignore[arg-type]  # None: "find one", as ray.init
+    except Exception:  # noqa: BLE001 - a private helper: assume none
+        return None
+
+
 def local_ray_cpus(cluster_cfg: Any) -> Optional[int]:
     """The CPUs of the local Ray ensure_ray would start for this job (cluster.local_num_cpus, else what Ray counts
-    on this machine, its container's limit included); None when the job joins a cluster or a Ray already running
-    in this process, whose size is not known here."""
+    on this machine, its container's limit included); None when the job joins a cluster (cluster.address,
+    RAY_ADDRESS, one `ray start` began on this machine) or a Ray already running in this process, whose size is
+    not known here."""
     import ray
 
-    if cluster_cfg.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+    address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
+    if (address and address != "local") or ray.is_initialized() or (not address and running_local_cluster()):
         return None
-    if cluster_cfg.local_num_cpus:
+    if cluster_cfg.local_num_cpus and not address:
         return int(cluster_cfg.local_num_cpus)
     try:
         from ray._private.utils import get_num_cpus  # how ray.init counts them
@@ -61,11 +74,13 @@ def local_ray_cpus(cluster_cfg: Any) -> Optional[int]:
         return os.cpu_count()
 
 
-def check_fits_local_ray(cfg: Any, stages: list[str]) -> None:
+def check_fits_local_ray(cfg: Any, stages: list[str], prompts_made: bool = False) -> None:
     """Refuse CPU requests a local Ray cannot grant: Ray queues an infeasible request and waits (Ray Train retried
     its worker group every minute, for ever). Checks the Ray Train workers (1 CPU each), the verifier's actor
-    pool (regenerate, capture) and the prompt writer's task (a synthetic data source). Raises PipelineError
-    naming the setting."""
+    pool (regenerate, capture) and the prompt writer's task (a source the verifier writes, unless `prompts_made`;
+    an evaluated set the verifier writes). Raises PipelineError naming the setting."""
+    from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
+
     cpus = local_ray_cpus(cfg.cluster)
     if cpus is None:
         return
@@ -77,11 +92,18 @@ def check_fits_local_ray(cfg: Any, stages: list[str]) -> None:
         gen = cfg.generation
         requests.append(("generation.num_actors", gen.num_actors * gen.cpus_per_actor,
                          f"{gen.num_actors} verifier actors of generation.cpus_per_actor={gen.cpus_per_actor} CPUs"))
-    from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
-
     # regenerate and evaluate make the prompts too when no earlier job has
-    if {"prompts", "regenerate", "evaluate"} & set(stages) and cfg.data.source in WRITTEN_BY_THE_VERIFIER:
+    if {"prompts", "regenerate", "evaluate"} & set(stages) and cfg.data.source in WRITTEN_BY_THE_VERIFIER \
+            and not prompts_made:
         requests.append(("data.synthetic.cpus", cfg.data.synthetic.cpus, "the prompt writer's task"))
+    if "evaluate" in stages:
+        from pipeline.evaluation.eval_sets import set_config
+
+        for name in cfg.evaluation.datasets:
+            definition = set_config(name, cfg.evaluation) if name in cfg.evaluation.sets else None
+            if definition is not None and definition.source in WRITTEN_BY_THE_VERIFIER:
+                requests.append((f"evaluation.sets.{name}.synthetic.cpus", definition.synthetic.cpus,
+                                 "the prompt writer's task"))
     for field, needed, what in requests:
         if needed > cpus:
             raise PipelineError(f"{field}: asks for {needed} CPUs ({what}); the local Ray this job starts has {cpus} "

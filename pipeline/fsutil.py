@@ -100,4 +100,3 @@ def output_file_problem(path: Path | str, flag: str = "--out") -> str | None:
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         return f"{flag} {path}: a folder above it is a file"
     return None
-

@@ -84,14 +84,15 @@ def prompt_file_digest(source: Any, path: Any, field: str = "data.path") -> str 
         raise PipelineError(f"{field}: prompt file '{file}' cannot be read ({error.strerror or error})") from None
 
 
-def local_path_identity(value: Any) -> Any:
+def local_path_identity(value: Any, always_local: bool = False) -> Any:
     """A path setting as its key holds it: a local file or folder by its resolved absolute path, so `dir`, `dir/`,
-    `./dir`, `~/dir` and a symlink to it key one run (each spelling made a new folder and ran everything again);
-    anything else (None, a hub id, a path not there yet) as written."""
+    `./dir`, `~/dir` and a symlink to it key one run (each spelling made a new folder and ran everything again).
+    A setting that may name a hub id too (verifier.path) is resolved only while it names something here; one that
+    is always local (`always_local`: training.resume_from) always, so its key stays once the folder is gone."""
     if not value:
         return value
     path = Path(str(value)).expanduser()
-    return str(path.resolve()) if path.exists() else value
+    return str(path.resolve()) if always_local or path.exists() else value
 
 
 def _keyed_by_content(settings: dict, source: Any, field: str) -> dict:
@@ -191,7 +192,7 @@ def _training_settings(cfg: DictConfig) -> dict:
     anchors and order from its own seeded generators). Settings the run's optimizer does not read (Muon's under
     AdamW, grad_clip under DeepSpeed's Muon) are keyed at their defaults: another value resumes the same run."""
     training = result_settings(cfg.training, TrainingConfig)
-    training["resume_from"] = local_path_identity(training.get("resume_from"))
+    training["resume_from"] = local_path_identity(training.get("resume_from"), always_local=True)
     if training.get("autocast_dtype") == "auto":
         training["autocast_dtype"] = f"auto:{_auto_precision(cfg)}"
     if not _selects_by_val_tau(cfg):

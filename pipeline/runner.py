@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -46,7 +47,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
     check_input_files(cfg, stages, ctx.paths)
-    check_fits_local_ray(cfg, stages)
+    check_fits_local_ray(cfg, stages, prompts_made=ctx.paths.prompts.is_dir())
     ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
     results: dict[str, Any] = {}
     times = StageTimes()
@@ -84,12 +85,28 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
     resume_from = cfg.training.resume_from
     # read only when the run has neither its final checkpoint nor one of its own to continue (training/stage.py)
     if "train" in stages and resume_from and not (paths.final_checkpoint / "spec.json").is_file() \
-            and own_latest_checkpoint(cfg, paths) is None and not Path(str(resume_from)).expanduser().is_dir():
-        raise PipelineError(f"training.resume_from: '{resume_from}' is not a checkpoint folder (no such folder)")
+            and own_latest_checkpoint(cfg, paths) is None:
+        _check_given_resume_point(Path(str(resume_from)).expanduser().resolve(), cfg.training.max_steps)
     for stage in stages:
         for maker, folder, marker, what, remedy in _made_before(stage, paths):
             if maker not in stages[:stages.index(stage)] and not (folder / marker).exists():
                 raise PipelineError(f"{stage}: no {what} at {folder}; {remedy}")
+
+
+def _check_given_resume_point(folder: Path, max_steps: int) -> None:
+    """training.resume_from is a folder that leaves steps to train (its train_state.json's step, when it has a
+    readable one: the train stage names what else is wrong with it)."""
+    from pipeline.checkpoint import STATE_FILE
+    from pipeline.training.stage import check_steps_left
+
+    if not folder.is_dir():
+        raise PipelineError(f"training.resume_from: '{folder}' is not a checkpoint folder (no such folder)")
+    try:
+        step = json.loads((folder / STATE_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(step, int) and not isinstance(step, bool):
+        check_steps_left(step, max_steps, folder)
 
 
 def _made_before(stage: str, paths: StagePaths) -> list[tuple[str, Path, str, str, str]]:
@@ -261,7 +278,8 @@ def run_job(cfg: DictConfig, job: str) -> int:
 def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
     """Hydra makes its run folder under paths.root, with an empty job log, before any check runs: a job refused
     with nothing logged leaves nothing behind. Only this job's empty log goes, then each folder above it that is
-    left empty, up to paths.root (which stays); a logged line, or another job's log, keeps its folder."""
+    left empty, up to paths.root, which stays unless this job made it (_note_absent_root: then it goes too, with
+    the folders above it the job made); a logged line, or another job's log, keeps its folder."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -71,7 +71,7 @@ def _leaves(value: Any, name: str = "", skip: tuple[str, ...] = ()) -> Iterator[
         yield name, value
 
 
-MAX_SEED = 2**32 - 1  # a seed every generator the pipeline seeds accepts, offsets added per rank or batch included
+MAX_SEED = 2**32 - 1  # a seed every generator the pipeline seeds accepts (numpy's legacy one takes 32 bits)
 MAX_INT = 2**63 - 1  # int64
 
 

@@ -142,8 +142,9 @@ def synthesize(folder: Path, tokenizer: Any, generate: Callable[[list[list[int]]
             size = min(batch_size, per_domain - batch * batch_size)
             part = folder / part_name(domain, batch)
             if not part.is_file():
-                # vLLM seeds request i of a batch with batch_seed + i: batches stay BATCH_SEED_STRIDE apart
-                batch_seed = ((seed * 101 + domain_index) * 100_003 + batch) * BATCH_SEED_STRIDE
+                # vLLM seeds request i of a batch with batch_seed + i: batches stay BATCH_SEED_STRIDE apart. Kept
+                # below 2**62 (+ i stays a long long for torch and vLLM; smaller seeds keep their value)
+                batch_seed = ((seed * 101 + domain_index) * 100_003 + batch) * BATCH_SEED_STRIDE % 2**62
                 sampled = generate([prefix] * size, [max_new_tokens] * size, batch_seed)
                 _write_part(part, tokenizer, sampled, stop_ids)
             for sample in _read_part(part):

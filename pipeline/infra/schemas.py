@@ -85,14 +85,35 @@ def _unschedulable_entrypoint(document: dict) -> list[str]:
         return ["spec.entrypointResources: not a JSON object of resource amounts"]
     if not isinstance(wanted, dict):
         return ["spec.entrypointResources: not a JSON object of resource amounts"]
-    cluster = spec.get("rayClusterSpec") or {}
+    cluster = spec.get("rayClusterSpec")
+    if not isinstance(cluster, dict):  # a job on an existing cluster (clusterSelector): its pods are not here
+        return []
+    # a group can hold a pod: replicas > 0, or the autoscaler may start one; a count of the wrong type is the schema's
+    size = "maxReplicas" if cluster.get("enableInTreeAutoscaling") else "replicas"
     groups = [cluster.get("headGroupSpec") or {}] + [
-        group for group in cluster.get("workerGroupSpecs") or []  # a replica count of the wrong type: the schema's
-        if isinstance(group, dict) and (not isinstance(group.get("replicas"), int) or group["replicas"] > 0)]
-    offered = {name for group in groups if isinstance(group.get("resources"), dict) for name in group["resources"]}
-    return [f"spec.entrypointResources: '{name}' is offered by no pod of the cluster (no group with replicas > 0 "
+        group for group in cluster.get("workerGroupSpecs") or []
+        if isinstance(group, dict) and (not isinstance(group.get(size), int) or group[size] > 0)]
+    offered = {name for group in groups for name in _group_resource_names(group)}
+    return [f"spec.entrypointResources: '{name}' is offered by no pod of the cluster (no group that can hold a pod "
             "lists it under resources), so the driver never starts"
             for name in wanted if name not in ("CPU", "GPU", "memory") and name not in offered]
+
+
+def _group_resource_names(group: dict) -> set[str]:
+    """The custom resources a head or worker group's pods offer: its `resources` field, or the JSON object in
+    rayStartParams.resources (`ray start --resources`, often quoted again for the shell)."""
+    import json
+
+    names = set(group["resources"]) if isinstance(group.get("resources"), dict) else set()
+    params = group.get("rayStartParams")
+    text = params.get("resources") if isinstance(params, dict) else None
+    if isinstance(text, str):
+        try:
+            parsed = json.loads(text.strip().strip("'\"").replace('\\"', '"'))
+        except ValueError:
+            parsed = None
+        names |= set(parsed) if isinstance(parsed, dict) else set()
+    return names
 
 
 def _schema_problems(document: dict) -> list[str]:

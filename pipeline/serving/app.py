@@ -124,7 +124,8 @@ def check_served_verifier(resolved: ResolvedSpeculator, verifier_path: str, veri
     trained_on = resolved.tags.get("verifier")
     if verifier_name and trained_on and trained_on != verifier_name:
         raise PipelineError(f"serving.model: {resolved.uri} was trained on verifier '{trained_on}', not on "
-                            f"verifier.name '{verifier_name}'")
+                            f"verifier.name '{verifier_name}' (if it is the same model, set "
+                            f"verifier.name={trained_on})")
     served = verifier_config_dict(verifier_path)
     if not served:
         return

@@ -49,7 +49,7 @@ class ResolvedSpeculator:
         for tag in ("eval.recommended_k", "eval.num_speculative_tokens"):
             value = self.tags.get(tag)
             if value:
-                if not value.strip().isdigit() or int(value) < 1:
+                if not (value.strip().isascii() and value.strip().isdecimal()) or int(value) < 1:
                     raise PipelineError(f"serving.model: {self.uri}'s tag {tag}={value!r} is no K (a whole number "
                                         ">= 1); set serving.num_speculative_tokens or fix the tag")
                 return int(value)

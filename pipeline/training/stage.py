@@ -132,10 +132,8 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         check_optimizer_carries_over(point, training, training.num_workers,
                                      deepspeed.zero_stage if deepspeed.enabled else -1)
         check_same_optimizer_split(point, planned_optimizer_split(spec, training))
-        if not own and point.step >= cfg.training.max_steps:
-            # a shorter run would be that checkpoint under another run's name, and its later schedule never ran
-            raise PipelineError(f"training.max_steps: {cfg.training.max_steps} leaves nothing to train after step "
-                                f"{point.step}, which training.resume_from '{resume_from}' already holds")
+        if not own:
+            check_steps_left(point.step, cfg.training.max_steps, resume_from)
         if point.step >= cfg.training.max_steps:  # nothing left to train: the final folder was lost or refused
             log.warning("train: %s already holds step %d of %d; it becomes the final checkpoint (the choice by %s "
                         "among the run's checkpoints is not made again)", resume_from, point.step,
@@ -210,6 +208,14 @@ def own_latest_checkpoint(cfg, paths: StagePaths) -> Path | None:
     after a crash continues it), or None."""
     storage = Path(cfg.cluster.storage_path).expanduser().resolve()
     return latest_complete_checkpoint(storage / _run_name(paths))
+
+
+def check_steps_left(step: int, max_steps: int, resume_from: Path) -> None:
+    """A given training.resume_from must leave steps to train: a run no longer than its starting point would be
+    that checkpoint under another run's key, its later schedule never run. Raises PipelineError."""
+    if step >= max_steps:
+        raise PipelineError(f"training.max_steps: {max_steps} leaves nothing to train after step {step}, which "
+                            f"training.resume_from '{resume_from}' already holds")
 
 
 def _resume_from(ctx: Context) -> tuple[Path | None, bool]:

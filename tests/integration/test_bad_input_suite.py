@@ -711,6 +711,8 @@ def test_a_request_the_local_ray_cannot_grant_is_refused_before_it_waits_for_eve
                                                                                   capsys, monkeypatch):
     """Ray queues an infeasible request: Ray Train retried its worker group every minute with no end."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # a Ray another test left running here is not this job's
+    monkeypatch.setattr("pipeline.cluster.running_local_cluster", lambda: None)
     cfg = compose([f"paths.root={tmp_path}", override])
     assert run_job(cfg, job) == 2
     assert re.match(f"error: {message}", _error_line(capsys))
@@ -720,6 +722,8 @@ def test_a_request_the_local_ray_cannot_grant_is_refused_before_it_waits_for_eve
 def test_a_job_that_joins_a_cluster_is_not_held_to_this_machines_cpus(monkeypatch):
     from pipeline.cluster import check_fits_local_ray
 
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("pipeline.cluster.running_local_cluster", lambda: None)
     cfg = compose(["training.num_workers=64"])
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     check_fits_local_ray(cfg, ["train"])
@@ -728,6 +732,19 @@ def test_a_job_that_joins_a_cluster_is_not_held_to_this_machines_cpus(monkeypatc
     check_fits_local_ray(compose(["training.num_workers=64", "cluster.local_num_cpus=64"]), ["train"])
     with pytest.raises(PipelineError, match=r"^training\.num_workers: "):
         check_fits_local_ray(cfg, ["train"])
+
+
+def test_a_given_checkpoint_at_or_past_max_steps_is_refused_before_any_store(tmp_path, capsys):
+    """Refused inside the train stage before, after MLflow's store, the runs and the stage lock were made."""
+    checkpoint = tmp_path / "elsewhere" / "final"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "train_state.json").write_text(json.dumps({"step": 9}))
+    root = tmp_path / "out"
+    assert run_job(compose([f"paths.root={root}", "training.max_steps=9", f"training.resume_from={checkpoint}"]),
+                   "train") == 2
+    assert _error_line(capsys) == (f"error: training.max_steps: 9 leaves nothing to train after step 9, which "
+                                   f"training.resume_from '{checkpoint}' already holds")
+    assert not root.exists() or not any(root.iterdir())
 
 
 def test_serving_with_no_store_to_resolve_from_creates_none(tmp_path, capsys, monkeypatch):

@@ -408,6 +408,11 @@ def test_one_local_folder_spelled_differently_keys_one_run(tmp_path, monkeypatch
         assert getattr(StagePaths(compose([*base, f"{field}={other}"])), key) not in keys
     hub = StagePaths(compose(["verifier=hf", "verifier.name=v", "verifier.path=org/model"]))
     assert hub.verifier_identity["path"] == "org/model"
+    # a resume_from deleted after training keeps its run's key: the evaluate job still finds the checkpoint
+    given = ["verifier=hf", "verifier.name=v", "verifier.path=org/model", "training.resume_from=checkpoints/final"]
+    while_there = StagePaths(compose(given)).train_key
+    checkpoint.rename(tmp_path / "gone")
+    assert StagePaths(compose(given)).train_key == while_there
 
 
 @pytest.mark.parametrize("override", ["deepspeed.zero_stage=1", "deepspeed.bf16=true",

@@ -101,8 +101,20 @@ def test_a_job_whose_driver_no_pod_can_take_is_a_problem():
     unoffered = copy.deepcopy(job)
     del unoffered["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["resources"]
     for broken in (no_workers, unoffered):
-        assert f"spec.entrypointResources: '{DRIVER_RESOURCE}' is offered by no pod of the cluster (no group with " \
-               "replicas > 0 lists it under resources), so the driver never starts" in manifest_problems(broken)
+        assert f"spec.entrypointResources: '{DRIVER_RESOURCE}' is offered by no pod of the cluster (no group that " \
+               "can hold a pod lists it under resources), so the driver never starts" in manifest_problems(broken)
+    # what KubeRay also runs: an autoscaled group, resources given to `ray start`, a job on an existing cluster
+    autoscaled = copy.deepcopy(no_workers)
+    autoscaled["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] = True
+    autoscaled["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["maxReplicas"] = 2
+    started = copy.deepcopy(unoffered)
+    started["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["rayStartParams"]["resources"] = \
+        f'"{{\\"{DRIVER_RESOURCE}\\": 1}}"'
+    selected = copy.deepcopy(job)
+    del selected["spec"]["rayClusterSpec"]
+    selected["spec"]["clusterSelector"] = {"ray.io/cluster": "shared"}
+    for fine in (autoscaled, started, selected):
+        assert not [p for p in manifest_problems(fine) if p.startswith("spec.entrypointResources")]
     job["spec"]["entrypointResources"] = "[1]"
     assert "spec.entrypointResources: not a JSON object of resource amounts" in manifest_problems(job)
 

@@ -145,7 +145,7 @@ def test_the_app_adds_the_resolved_speculator_and_its_evaluated_k(tmp_path):
     assert "speculative_config" not in llm["engine_kwargs"]  # the config itself is left as it was
     pinned, _ = with_speculator(llm, {**source, "num_speculative_tokens": 2})
     assert pinned["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 2
-    for edited in ("three", "0", "-1", "2.5"):  # registry tags are editable in MLflow's UI
+    for edited in ("three", "0", "-1", "2.5", "²", "٣"):  # registry tags are editable in MLflow's UI
         tracker.set_version_tags("m", version, {"eval.recommended_k": edited})
         with pytest.raises(PipelineError, match=r"^serving\.model: models:/m@champion's tag eval\.recommended_k="):
             with_speculator(llm, source)
@@ -201,7 +201,8 @@ def test_a_speculator_is_not_served_on_a_verifier_it_was_not_trained_on(tmp_path
                 with_speculator(llm, source)
     (verifier / "config.json").write_text(json.dumps(served))
     with pytest.raises(PipelineError, match=r"^serving\.model: models:/m@champion was trained on verifier "
-                                            r"'SmolLM2-135M-Instruct', not on verifier\.name 'tiny-qwen3'$"):
+                                            r"'SmolLM2-135M-Instruct', not on verifier\.name 'tiny-qwen3' \(if it "
+                                            r"is the same model, set verifier\.name=SmolLM2-135M-Instruct\)$"):
         with_speculator(llm, {**source, "verifier_name": "tiny-qwen3"})
 
 

@@ -106,6 +106,15 @@ def test_the_same_seed_gives_the_same_prompts_deduplicated_and_filtered(tmp_path
     assert min(b - a for a, b in zip(ordered, ordered[1:])) >= BATCH_SEED_STRIDE
 
 
+def test_the_largest_seed_validate_allows_gives_batch_seeds_torch_and_vllm_accept(tmp_path, tokenizer):
+    """Batch seeds grew past 2**64 from a seed of about 2.8e7: torch.manual_seed overflowed in the prompt writer."""
+    log: list = []
+    run(tmp_path / "big", tokenizer, log, seed=2**32 - 1)
+    seeds = [seed for _, seed in log]
+    assert seeds and all(0 <= seed and seed + BATCH_SEED_STRIDE < 2**63 for seed in seeds)
+    assert len(set(seeds)) == len(seeds)
+
+
 def test_a_rerun_samples_only_the_missing_batches(tmp_path, tokenizer):
     log: list = []
     first = run(tmp_path, tokenizer, log)
