@@ -119,7 +119,8 @@ def _report_of(checkpoint: Path, **fields) -> dict:
     from pipeline.integrity import folder_digest
 
     return {**{field: None for field in REPORT_FIELDS}, "checkpoint": str(checkpoint),
-            "checkpoint_digest": folder_digest(checkpoint), "pooled_tau": 1.5, **fields}
+            "checkpoint_digest": folder_digest(checkpoint), "pooled_tau": 1.5, "num_speculative_tokens": 4,
+            "max_new_tokens": 32, "temperature": 0.0, **fields}
 
 
 def test_a_damaged_or_incomplete_evaluation_report_is_measured_again(tmp_path):
