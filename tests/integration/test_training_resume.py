@@ -170,7 +170,9 @@ def test_two_workers_continue_on_one_from_a_zero_checkpoint(store, tiny_verifier
 def test_a_checkpoint_of_another_drafter_is_refused_before_training(store, tiny_verifier_path, reference):
     reference_cfg, _ = reference
     final = StagePaths(reference_cfg).final_checkpoint
-    cfg, _ = with_store(store, tiny_verifier_path, "other", "drafter=eagle3", f"training.resume_from={final}")
+    # steps left to train after the checkpoint's (one at max_steps is refused before its drafter is read)
+    cfg, _ = with_store(store, tiny_verifier_path, "other", "drafter=eagle3", f"training.resume_from={final}",
+                        f"training.max_steps={STEPS + 10}")
     with pytest.raises(PipelineError, match="has algorithm 'peagle', this run has 'eagle3'"):
         run_stages(cfg, "train", ["train"])
 
