@@ -117,11 +117,11 @@ def settle_alias(tracker: Any, name: str, alias: str, signature: str, max_rounds
     older version (a promotion needs a strictly higher tau). Returns the version the alias ends at."""
     for _ in range(max_rounds):
         promoted = tracker.versions_tagged(name, {"gate.decision": "promoted", "eval.signature": signature})
-        comparable = [v for v in promoted if tag_tau(v) is not None]  # an edited tag cannot win the alias
-        if not comparable:
+        taus = {v["version"]: tau for v in promoted if (tau := tag_tau(v)) is not None}  # an edited tag cannot win
+        if not taus:
             raise PipelineError(f"registry: no promoted version of '{name}' has an eval.pooled_tau tag that is a "
                                 "number; fix the tags in MLflow and rerun the promote stage")
-        best = max(comparable, key=lambda v: (tag_tau(v), -int(v["version"])))["version"]
+        best = max(taus, key=lambda version: (taus[version], -int(version)))
         current = tracker.alias_tags(name, alias)
         if current is not None and current["version"] == best:
             return best

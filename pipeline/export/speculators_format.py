@@ -52,7 +52,7 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype = EXPORT_DTYPE) -> 
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": spec.verifier_path,
-                         "architectures": [_verifier_architecture(spec)]},
+                         "architectures": _verifier_architectures(spec)},
         },
         "transformer_layer_config": layer_config,
         "draft_vocab_size": spec.draft_vocab_size,
@@ -63,11 +63,19 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype = EXPORT_DTYPE) -> 
     return config
 
 
-def _verifier_architecture(spec: DrafterSpec) -> str:
-    """The verifier's HF architecture; a spec saved before it was recorded had a verifier of its layer's type."""
+def _verifier_architectures(spec: DrafterSpec) -> list[str]:
+    """The verifier's HF architecture, as a one-item list. A spec saved before it was recorded takes it from the
+    verifier folder's config.json; where that is no local folder, the list is empty (vLLM does not read it, and
+    serving then skips the architecture check) rather than a guess from the drafter's layer type, which would
+    refuse the true verifier of a MoE or multimodal family."""
     if spec.verifier_architecture:
-        return spec.verifier_architecture
-    return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec.transformer_layer_config["model_type"]]
+        return [spec.verifier_architecture]
+    config_file = Path(spec.verifier_path) / "config.json"
+    if config_file.is_file():
+        architectures = read_json(config_file, "verifier.path").get("architectures")
+        if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+            return architectures[:1]
+    return []
 
 
 def round_to_export_dtype(model: ModuleT) -> ModuleT:
@@ -110,6 +118,14 @@ def export_digest(folder: Path, exclude: tuple[str, ...] = ("README.md", "integr
     return digest.hexdigest()
 
 
+def exported_k(config: dict[str, Any]) -> Any:
+    """The K a speculators config.json records its drafter was trained for, as written
+    (speculators_config.proposal_methods[0].speculative_tokens, speculators' own place for it); None where the
+    config has no such field. The caller checks that it is a whole number."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+
+
 def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tensor],
                           verifier_path: str | None = None) -> DrafterSpec:
     for key in ("speculators_model_type", "transformer_layer_config", "speculators_config"):
@@ -121,13 +137,17 @@ def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tenso
     num_layers = int(layer_config.get("num_hidden_layers", 1))
     verifier = config["speculators_config"]["verifier"]["name_or_path"]
     extra = drafter.extra_from_export(config)
+    k = exported_k(config)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise PipelineError(f"checkpoint config.json: speculators_config.proposal_methods[0].speculative_tokens "
+                            f"is {k!r}, not a K (a whole number >= 1)")
     return DrafterSpec(
         algorithm=algorithm,
         verifier_name=verifier,
         verifier_path=verifier_path or verifier,
         transformer_layer_config=layer_config,
         aux_layer_ids=list(config[drafter.aux_layers_key]),
-        num_speculative_tokens=int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
+        num_speculative_tokens=k,
         mask_token_id=int(config.get("mask_token_id") or 0),
         num_layers=num_layers,
         norm_before_residual=bool(config.get("norm_before_residual", False)),

@@ -137,7 +137,7 @@ def check_served_verifier(resolved: ResolvedSpeculator, verifier_path: str, veri
              "architecture": ((((drafter.get("speculators_config") or {}).get("verifier") or {})
                                .get("architectures") or [None])[0], (served.get("architectures") or [None])[0])}
     for what, (trained, serving) in pairs.items():
-        if trained is not None and serving is not None and trained != serving:
+        if trained and serving and trained != serving:  # a field either side lacks (None, "") is not compared
             raise PipelineError(f"serving.model: {resolved.uri} was trained on a verifier of {what} {trained}; "
                                 f"the served verifier '{verifier_path}' has {serving}")
 

@@ -105,7 +105,7 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
                 shutil.rmtree(into, ignore_errors=True)
                 os.rename(staging, into)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # before the folders above it can be removed
         for folder in made:  # a failed first download leaves no empty download folders behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -143,8 +143,9 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
 
 
 def trained_k(config: dict[str, Any]) -> Optional[int]:
-    """The K a speculators config.json says its drafter was trained for (speculators_config.proposal_methods[0].
-    speculative_tokens, as pipeline/export/speculators_format.py writes it); None where it names none."""
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    value = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    """The K a speculators config.json says its drafter was trained for (speculators_format.exported_k); None
+    where it names none or names no whole number >= 1."""
+    from pipeline.export.speculators_format import exported_k
+
+    value = exported_k(config)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None

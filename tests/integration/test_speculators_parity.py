@@ -322,3 +322,25 @@ def test_a_block_drafter_without_its_head_loads_only_at_full_vocabulary(pruned, 
     else:
         back = load_speculators(folder, tiny_verifier_path)
         assert torch.equal(back.lm_head.weight, ours.lm_head.weight)  # the verifier's head either way
+
+
+@pytest.mark.parametrize("k", [None, 0, "4", 2.0, True])
+def test_a_checkpoint_whose_k_is_no_whole_number_is_one_line(k, tmp_path, verifier_config, tiny_verifier_path):
+    """The K a checkpoint records is read in one place (exported_k) for loading and for serving: a config.json
+    edited to no K is one line naming the field, not a KeyError or a drafter of K True."""
+    from pipeline.errors import PipelineError
+    from pipeline.serving.registry import trained_k
+
+    folder = export_speculators(_ours("peagle", verifier_config, tiny_verifier_path), tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    assert trained_k(config) == load_speculators(folder, tiny_verifier_path).spec.num_speculative_tokens == K
+    method = config["speculators_config"]["proposal_methods"][0]
+    if k is None:
+        del method["speculative_tokens"]
+    else:
+        method["speculative_tokens"] = k
+    (folder / "config.json").write_text(json.dumps(config))
+    assert trained_k(config) is None
+    with pytest.raises(PipelineError, match=r"^checkpoint config\.json: speculators_config\.proposal_methods\[0\]"
+                                            r"\.speculative_tokens is .*, not a K \(a whole number >= 1\)$"):
+        load_speculators(folder, tiny_verifier_path)

@@ -129,6 +129,26 @@ def test_a_moe_verifiers_drafter_gets_a_dense_qwen3_layer_and_the_export_names_t
     assert config["transformer_layer_config"]["model_type"] == "qwen3"
 
 
+def test_a_spec_saved_before_architectures_were_recorded_exports_its_verifiers_own_or_none(tiny_family_paths,
+                                                                                          tmp_path):
+    """An old spec names no verifier architecture: the export reads it from the verifier folder, and where there
+    is none it names none. A guess from the drafter's layer type (qwen3) would name Qwen3ForCausalLM for a MoE
+    verifier, and serving would then refuse its true verifier."""
+    import dataclasses
+
+    from pipeline.config import compose
+    from pipeline.drafters.build import make_spec
+    from pipeline.export.speculators_format import speculators_config
+    from pipeline.families import load_verifier_config
+
+    path = tiny_family_paths["qwen3_moe"]
+    spec = make_spec(compose(["drafter=eagle3"]).drafter, load_verifier_config(path), "tiny-qwen3-moe", path, 151643)
+    old = dataclasses.replace(spec, verifier_architecture="")
+    assert speculators_config(old)["speculators_config"]["verifier"]["architectures"] == ["Qwen3MoeForCausalLM"]
+    gone = dataclasses.replace(old, verifier_path=str(tmp_path / "moved"))
+    assert speculators_config(gone)["speculators_config"]["verifier"]["architectures"] == []
+
+
 def test_a_gemma4_verifiers_drafter_gets_a_llama_layer_vllm_builds(tiny_family_paths):
     from pipeline.config import compose
     from pipeline.drafters.build import make_spec
