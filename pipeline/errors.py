@@ -27,20 +27,37 @@ def read_json(path: Path | str, field: str) -> Any:
 
 
 def read_json_object(path: Path | str, field: str, what: str, required: Sequence[str], remedy: str,
-                     numbers: Sequence[str] = ()) -> dict:
+                     schema: Any = None) -> dict:
     """read_json for a file that holds one JSON object with the `required` keys (`what` names it, e.g. "a finished
-    evaluation report"), of which `numbers` must be JSON numbers (true/false are not); one that is not, lacks a
-    key or holds another kind of value there is a PipelineError naming `field`, the file, the keys and `remedy`."""
+    evaluation report"); `schema`, a pydantic model class, then checks the kinds of the figures readers use, nested
+    ones included (true/false are no numbers, text no number). One that is not an object, lacks a key or holds
+    another kind of value is a PipelineError naming `field`, the file, the first faulty key path and `remedy`."""
     found = read_json(path, field)
     if not isinstance(found, dict):
         raise PipelineError(f"{field}: '{path}' holds {type(found).__name__}, not {what}; {remedy}")
     missing = [key for key in required if key not in found]
     if missing:
         raise PipelineError(f"{field}: '{path}' is not {what} (no {', '.join(missing)}); {remedy}")
-    not_numbers = [key for key in numbers if isinstance(found[key], bool) or not isinstance(found[key], (int, float))]
-    if not_numbers:
-        raise PipelineError(f"{field}: '{path}' is not {what} ({', '.join(not_numbers)} not a number); {remedy}")
+    if schema is not None:
+        from pydantic import ValidationError
+
+        try:
+            schema.model_validate(found)
+        except ValidationError as error:
+            raise PipelineError(f"{field}: '{path}' is not {what} ({_first_problem(error)}); {remedy}") from None
     return found
+
+
+_PROBLEMS = {"float_type": "not a number", "int_type": "not a whole number", "int_from_float": "not a whole number",
+             "missing": "missing", "dict_type": "not an object", "model_type": "not an object",
+             "list_type": "not a list", "string_type": "not text", "bool_type": "not true or false"}
+
+
+def _first_problem(error: Any) -> str:
+    """`key.path problem` for the first of a pydantic ValidationError's errors, in plain words where known."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where} {_PROBLEMS.get(first['type'], first['msg'].lower())}"
 
 
 def first_line(error: BaseException) -> str:

@@ -4,8 +4,60 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.fsutil import atomic_write_text
+
+
+class _Figures(BaseModel):
+    """Figures as JSON kinds, strictly (true is no number, "1.5" no number); fields nobody reads back pass."""
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class SetFigures(_Figures):
+    """One eval set's acceptance, as the report's `datasets.<set>` holds it (and the whole report at its top)."""
+    num_requests: int
+    verify_steps: int
+    pooled_tau: float
+    per_request_tau: float
+    conditional_acceptance: list[float]
+    cumulative_acceptance: list[float]
+
+
+class ProfileRow(_Figures):
+    k: int
+    tau: float
+    draft_ms_per_step: float
+    verify_ms_per_step: float
+    predicted_speedup: float
+    measured_speedup: float
+
+
+class Profile(_Figures):
+    num_prompts: int
+    plain_ms_per_token: float
+    recommended_k: int = Field(ge=1)
+    per_k: list[ProfileRow]
+    max_new_tokens: Optional[int] = None
+
+
+class ReportFigures(SetFigures):
+    """What the later stages read back from a finished report.json (export's card, vllm_eval, promote's gate, the
+    MLflow metrics of a reused report): a hand-edited or damaged one is refused by pipeline.errors.read_json_object
+    before it can fail in the middle of a stage."""
+    drafts_per_step: float
+    num_speculative_tokens: int = Field(ge=1)
+    max_new_tokens: int
+    temperature: float
+    greedy_mismatches: list
+    datasets: dict[str, SetFigures]
+    profile: Optional[Profile]
+    drafter: str
+    verifier: str
+    checkpoint: str
+    signature: str
 
 
 def _set_rows(report: dict) -> list[str]:

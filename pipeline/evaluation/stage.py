@@ -19,7 +19,7 @@ from pipeline.evaluation.gate import evaluation_signature
 from pipeline.evaluation.measured_drafter import decoding_drafter
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches
-from pipeline.evaluation.report import write_report
+from pipeline.evaluation.report import ReportFigures, write_report
 from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import folder_digest
 from pipeline.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
@@ -218,14 +218,14 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
 REPORT_FIELDS = ("pooled_tau", "per_request_tau", "drafts_per_step", "conditional_acceptance",
                  "cumulative_acceptance", "profile", "datasets", "num_speculative_tokens", "max_new_tokens",
                  "temperature", "greedy_mismatches", "drafter", "verifier", "checkpoint", "signature")
-REPORT_NUMBERS = ("pooled_tau", "num_speculative_tokens", "max_new_tokens", "temperature")  # the gate's and tags'
 
 
 def load_report(folder: Path) -> dict:
-    """The evaluation report in `folder`; one that is not JSON, not an object or lacks a field the later stages
-    read is a PipelineError naming the file and the field."""
+    """The evaluation report in `folder`; one that is not JSON, not an object, lacks a field the later stages
+    read or holds another kind of value in one (report.ReportFigures) is a PipelineError naming the file and
+    the field."""
     return read_json_object(folder / "report.json", "evaluate", "a finished evaluation report", REPORT_FIELDS,
-                            "run the evaluate stage again", numbers=REPORT_NUMBERS)
+                            "run the evaluate stage again", schema=ReportFigures)
 
 
 def load_requests(folder: Path) -> list[dict]:

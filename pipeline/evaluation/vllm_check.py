@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic import BaseModel, ConfigDict
+
 from pipeline.context import Context
 from pipeline.drafters import drafter_class
 from pipeline.errors import PipelineError, read_json_object
@@ -119,7 +121,19 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
 
 # What the stage's metrics and promote's gate read from a cross-check (compare writes them all).
 RESULT_FIELDS = ("tau", "tau_gap", "cumulative_acceptance", "num_requests", "reference_tau")
-RESULT_NUMBERS = ("tau", "tau_gap", "num_requests", "reference_tau")
+
+
+class ResultFigures(BaseModel):
+    """The figures read back from a cross-check (vllm.json), strictly as JSON kinds: true is no number."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    tau: float
+    tau_gap: float
+    cumulative_acceptance: list[float]
+    num_requests: int
+    reference_tau: float
+    requests_matching_reference: Optional[int] = None
+    divergence_fault: Optional[str] = None
+    lossless: Optional[bool] = None
 
 
 def load_result(folder: Path, report: dict | None = None) -> dict:
@@ -130,7 +144,7 @@ def load_result(folder: Path, report: dict | None = None) -> dict:
     if not path.is_file():
         return {}
     result = read_json_object(path, "vllm_eval", "a finished cross-check", RESULT_FIELDS,
-                              "delete it and run the vllm_eval stage again", numbers=RESULT_NUMBERS)
+                              "delete it and run the vllm_eval stage again", schema=ResultFigures)
     if report is not None and result.get("checkpoint_digest") != report.get("checkpoint_digest"):
         log.info("vllm_eval: %s served other weights than the report measured; not reused", path)
         return {}

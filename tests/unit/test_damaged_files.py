@@ -114,13 +114,32 @@ def _sealed_checkpoint(folder: Path, weights: bytes) -> Path:
     return folder
 
 
+def _set_figures() -> dict:
+    return {"num_requests": 2, "verify_steps": 20, "pooled_tau": 1.5, "per_request_tau": 1.45,
+            "conditional_acceptance": [0.4, 0.2, 0.1, 0.0], "cumulative_acceptance": [0.4, 0.08, 0.01, 0.0]}
+
+
+def _finished_report_figures() -> dict:
+    """A report with every figure a later stage reads, of the kind the evaluate stage writes."""
+    profile = {"num_prompts": 2, "plain_ms_per_token": 20.0, "recommended_k": 2, "max_new_tokens": 16,
+               "per_k": [{"k": 1, "tau": 1.4, "draft_ms_per_step": 3.0, "verify_ms_per_step": 22.0,
+                          "predicted_speedup": 1.2, "measured_speedup": 1.1}]}
+    return {**_set_figures(), "drafts_per_step": 4.0, "num_speculative_tokens": 4, "max_new_tokens": 32,
+            "temperature": 0.0, "greedy_mismatches": [], "datasets": {"held_out": _set_figures()},
+            "profile": profile, "drafter": "peagle", "verifier": "SmolLM2-135M-Instruct", "checkpoint": "/c",
+            "signature": "0123456789abcdef"}
+
+
+def _cross_check_figures() -> dict:
+    return {"tau": 1.5, "tau_gap": 0.01, "cumulative_acceptance": [0.4, 0.08, 0.01, 0.0], "num_requests": 2,
+            "reference_tau": 1.5}
+
+
 def _report_of(checkpoint: Path, **fields) -> dict:
-    from pipeline.evaluation.stage import REPORT_FIELDS
     from pipeline.integrity import folder_digest
 
-    return {**{field: None for field in REPORT_FIELDS}, "checkpoint": str(checkpoint),
-            "checkpoint_digest": folder_digest(checkpoint), "pooled_tau": 1.5, "num_speculative_tokens": 4,
-            "max_new_tokens": 32, "temperature": 0.0, **fields}
+    return {**_finished_report_figures(), "checkpoint": str(checkpoint),
+            "checkpoint_digest": folder_digest(checkpoint), **fields}
 
 
 def test_a_damaged_or_incomplete_evaluation_report_is_measured_again(tmp_path):
@@ -144,13 +163,13 @@ def test_a_report_of_other_weights_at_the_same_path_is_not_reused(tmp_path):
     import shutil
 
     from pipeline.evaluation.stage import REQUESTS_FILE, _finished_report
-    from pipeline.evaluation.vllm_check import RESULT_FIELDS, RESULT_FILE, load_result
+    from pipeline.evaluation.vllm_check import RESULT_FILE, load_result
 
     checkpoint = _sealed_checkpoint(tmp_path / "final", b"old weights")
     report = _report_of(checkpoint)
     (tmp_path / REQUESTS_FILE).write_text("[]")
     (tmp_path / "report.json").write_text(json.dumps(report))
-    served = {**{field: 1.0 for field in RESULT_FIELDS}, "checkpoint_digest": report["checkpoint_digest"]}
+    served = {**_cross_check_figures(), "checkpoint_digest": report["checkpoint_digest"]}
     (tmp_path / RESULT_FILE).write_text(json.dumps(served))
     assert load_result(tmp_path, report) == served
     shutil.rmtree(checkpoint)
@@ -165,7 +184,7 @@ def test_a_report_written_before_reports_named_their_weights_is_kept_while_its_c
     import os
 
     from pipeline.evaluation.stage import REQUESTS_FILE, _finished_report
-    from pipeline.evaluation.vllm_check import RESULT_FIELDS, RESULT_FILE, load_result
+    from pipeline.evaluation.vllm_check import RESULT_FILE, load_result
     from pipeline.integrity import record_paths
 
     checkpoint = _sealed_checkpoint(tmp_path / "final", b"weights")
@@ -175,7 +194,7 @@ def test_a_report_written_before_reports_named_their_weights_is_kept_while_its_c
     for record in record_paths(checkpoint):
         os.utime(record, (1_000, 1_000))
     assert _finished_report(tmp_path, checkpoint) == legacy
-    served = {field: 1.0 for field in RESULT_FIELDS}  # no digest either: measured with the report
+    served = _cross_check_figures()  # no digest either: measured with the report
     (tmp_path / RESULT_FILE).write_text(json.dumps(served))
     assert load_result(tmp_path, legacy) == served
     (tmp_path / "final.damaged-20261206T000000Z").mkdir()  # a checkpoint was made again since
@@ -226,28 +245,59 @@ def test_a_damaged_vllm_cross_check_is_one_line_naming_the_file(tmp_path, conten
         load_result(tmp_path)
 
 
-@pytest.mark.parametrize("field,value", [("tau_gap", "0.01"), ("tau", None), ("num_requests", True),
-                                         ("reference_tau", [1.5])])
-def test_a_vllm_cross_check_whose_figures_are_no_numbers_is_one_line(tmp_path, field, value):
-    """The gate compares them with thresholds: text there was a TypeError in the promote stage."""
-    from pipeline.evaluation.vllm_check import RESULT_FIELDS, RESULT_FILE, load_result
+@pytest.mark.parametrize("field,value,problem", [
+    ("tau_gap", "0.01", "tau_gap not a number"), ("tau", None, "tau not a number"),
+    ("num_requests", True, "num_requests not a whole number"), ("num_requests", 2.0, "num_requests not a whole"),
+    ("reference_tau", [1.5], "reference_tau not a number"),
+    ("cumulative_acceptance", [0.4, "x"], "cumulative_acceptance.1 not a number"),
+    ("requests_matching_reference", "2", "requests_matching_reference not a whole number")])
+def test_a_vllm_cross_check_whose_figures_are_not_of_their_kind_is_one_line(tmp_path, field, value, problem):
+    """The gate compares them with thresholds and the stage logs them as metrics: text there was a TypeError in
+    the promote stage."""
+    from pipeline.evaluation.vllm_check import RESULT_FILE, load_result
 
-    result = {**{key: 1.0 for key in RESULT_FIELDS}, "num_requests": 4, field: value}
-    (tmp_path / RESULT_FILE).write_text(json.dumps(result))
-    with pytest.raises(PipelineError, match=rf"^vllm_eval: '.*' is not a finished cross-check \({field} not a number"):
+    (tmp_path / RESULT_FILE).write_text(json.dumps(_cross_check_figures()))
+    assert load_result(tmp_path)["tau"] == 1.5
+    (tmp_path / RESULT_FILE).write_text(json.dumps({**_cross_check_figures(), field: value}))
+    with pytest.raises(PipelineError, match=rf"^vllm_eval: '.*' is not a finished cross-check \({problem}"):
         load_result(tmp_path)
 
 
-@pytest.mark.parametrize("field", ["pooled_tau", "num_speculative_tokens", "max_new_tokens", "temperature"])
-def test_a_report_whose_figures_are_no_numbers_is_one_line(tmp_path, field):
-    from pipeline.evaluation.stage import REPORT_FIELDS, load_report
+@pytest.mark.parametrize("path,value,problem", [
+    (["pooled_tau"], "1.5", "pooled_tau not a number"),
+    (["num_speculative_tokens"], True, "num_speculative_tokens not a whole number"),
+    (["max_new_tokens"], 32.5, "max_new_tokens not a whole number"),
+    (["temperature"], "0", "temperature not a number"),
+    (["per_request_tau"], None, "per_request_tau not a number"),
+    (["datasets"], [], "datasets not an object"),
+    (["datasets", "held_out", "per_request_tau"], "1.4", "datasets.held_out.per_request_tau not a number"),
+    (["datasets", "held_out", "conditional_acceptance"], 0.4, "datasets.held_out.conditional_acceptance not a "),
+    (["profile", "recommended_k"], "2", "profile.recommended_k not a whole number"),
+    (["profile", "recommended_k"], 0, "profile.recommended_k input should be greater than or equal to 1"),
+    (["profile", "per_k", 0, "tau"], "x", "profile.per_k.0.tau not a number"),
+    (["signature"], 7, "signature not text")])
+def test_a_report_whose_figures_are_not_of_their_kind_is_one_line(tmp_path, path, value, problem):
+    """Nested figures too: a reused report's per-set tau is logged as a metric and formatted in the model card,
+    where text was a ValueError deep in the stage."""
+    from pipeline.evaluation.stage import load_report
 
-    report = {**{key: 1 for key in REPORT_FIELDS}, field: "1.5"}
+    report = _finished_report_figures()
     (tmp_path / "report.json").write_text(json.dumps(report))
-    with pytest.raises(PipelineError, match=rf"^evaluate: '.*' is not a finished evaluation report \({field} not a "):
+    assert load_report(tmp_path) == report
+    holder = report
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1]] = value
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    with pytest.raises(PipelineError, match=rf"^evaluate: '.*' is not a finished evaluation report \({problem}"):
         load_report(tmp_path)
-    (tmp_path / "report.json").write_text(json.dumps({**report, field: 2}))
-    assert load_report(tmp_path)[field] == 2
+
+
+def test_a_report_without_a_profile_is_still_a_finished_report(tmp_path):
+    from pipeline.evaluation.stage import load_report
+
+    (tmp_path / "report.json").write_text(json.dumps({**_finished_report_figures(), "profile": None}))
+    assert load_report(tmp_path)["profile"] is None
 
 
 @pytest.mark.parametrize("content", ["[]", '"abc"', "null"])
