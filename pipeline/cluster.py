@@ -78,7 +78,8 @@ def check_fits_local_ray(cfg: Any, stages: list[str], prompts_made: bool = False
     """Refuse CPU requests a local Ray cannot grant: Ray queues an infeasible request and waits (Ray Train retried
     its worker group every minute, for ever). Checks the Ray Train workers (1 CPU each), the verifier's actor
     pool (regenerate, capture) and the prompt writer's task (a source the verifier writes, unless `prompts_made`;
-    an evaluated set the verifier writes). Raises PipelineError naming the setting."""
+    an evaluated set the verifier writes) and, for the "serve" job, the LLM replica actors that must start.
+    Raises PipelineError naming the setting."""
     from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
 
     cpus = local_ray_cpus(cfg.cluster)
@@ -104,6 +105,10 @@ def check_fits_local_ray(cfg: Any, stages: list[str], prompts_made: bool = False
             if definition is not None and definition.source in WRITTEN_BY_THE_VERIFIER:
                 requests.append((f"evaluation.sets.{name}.synthetic.cpus", definition.synthetic.cpus,
                                  "the prompt writer's task"))
+    if "serve" in stages:
+        replicas = int(cfg.serving.autoscaling.get("min_replicas", 1) or 1)
+        requests.append(("serving.replica_cpus", cfg.serving.replica_cpus * replicas,
+                         f"{replicas} LLM replica actors of serving.replica_cpus={cfg.serving.replica_cpus} CPUs"))
     for field, needed, what in requests:
         if needed > cpus:
             raise PipelineError(f"{field}: asks for {needed} CPUs ({what}); the local Ray this job starts has {cpus} "

@@ -135,12 +135,14 @@ def _check_registry_exists(cfg: DictConfig) -> None:
 
 def run_serve(cfg: DictConfig) -> int:
     """Entry point for jobs/serve.py."""
+    from pipeline.cluster import check_fits_local_ray
     from pipeline.config import validate
     from pipeline.runner import run_guarded
 
     def validated_serve() -> None:
         validate(cfg)
         _check_registry_exists(cfg)
+        check_fits_local_ray(cfg, ["serve"])
         serve(Context.create(cfg))
 
     return run_guarded(validated_serve, cfg)

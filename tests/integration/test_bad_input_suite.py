@@ -719,6 +719,27 @@ def test_a_request_the_local_ray_cannot_grant_is_refused_before_it_waits_for_eve
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["serving.replica_cpus=64"], r"serving\.replica_cpus: asks for 64\.0 CPUs \(1 LLM replica actors of "),
+    (["serving.replica_cpus=1", "serving.autoscaling.min_replicas=3", "serving.autoscaling.max_replicas=3",
+      "cluster.local_num_cpus=2"], r"serving\.replica_cpus: asks for 3\.0 CPUs \(3 LLM replica actors of .* has 2 ")])
+def test_a_serve_job_whose_replicas_the_local_ray_cannot_place_is_refused_before_ray_starts(overrides, message,
+                                                                                             tmp_path, capsys,
+                                                                                             monkeypatch):
+    """Serve waits for ever on a replica no node can take, as Ray Train did on its workers."""
+    from pipeline.serving.job import run_serve
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("pipeline.cluster.running_local_cluster", lambda: None)
+    started = []
+    monkeypatch.setattr("pipeline.cluster.ensure_ray", lambda *args, **kwargs: started.append(args))
+    cfg = compose([f"paths.root={tmp_path / 'root'}", "serving.speculative=false", *overrides])
+    assert run_serve(cfg) == 2
+    assert re.match(f"error: {message}", _error_line(capsys)) and not started
+    assert not (tmp_path / "root").exists()
+
+
 def test_a_job_that_joins_a_cluster_is_not_held_to_this_machines_cpus(monkeypatch):
     from pipeline.cluster import check_fits_local_ray
 
