@@ -72,7 +72,8 @@ def _verifier_architectures(spec: DrafterSpec) -> list[str]:
         return [spec.verifier_architecture]
     config_file = Path(spec.verifier_path) / "config.json"
     if config_file.is_file():
-        architectures = read_json(config_file, "verifier.path").get("architectures")
+        verifier_config = read_json(config_file, "verifier.path")
+        architectures = verifier_config.get("architectures") if isinstance(verifier_config, dict) else None
         if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
             return architectures[:1]
     return []
@@ -122,8 +123,11 @@ def exported_k(config: dict[str, Any]) -> Any:
     """The K a speculators config.json records its drafter was trained for, as written
     (speculators_config.proposal_methods[0].speculative_tokens, speculators' own place for it); None where the
     config has no such field. The caller checks that it is a whole number."""
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    speculators = config.get("speculators_config")
+    methods = speculators.get("proposal_methods") if isinstance(speculators, dict) else None
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        return None
+    return methods[0].get("speculative_tokens")
 
 
 def spec_from_speculators(config: dict[str, Any], weights: dict[str, torch.Tensor],
