@@ -43,8 +43,8 @@ def refuse_credentials(uri: str, source: str) -> None:
     try:
         parts = urlsplit(uri)
         query = parse_qsl(parts.query, keep_blank_values=True)
-    except ValueError:
-        return
+    except ValueError as error:  # refused here: a later message would show it whole, credentials and all
+        raise PipelineError(f"{source}: '{_redacted(uri)}' is not a valid URI ({error})") from None
     secret_query = [name for name, _ in query if SECRET_QUERY_KEY.search(name)]
     if parts.username is None and parts.password is None and not secret_query:
         return
@@ -58,6 +58,17 @@ def refuse_credentials(uri: str, source: str) -> None:
               else "give them to the service through its environment or credential file instead")
     raise PipelineError(f"{source}: '{shown}' carries credentials; {advice}, so they never reach params, logs or "
                         "manifests")
+
+
+_USER_INFO = re.compile(r"(//)[^/?#]*@")
+_QUERY_VALUE = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
+
+
+def _redacted(uri: str) -> str:
+    """`uri` with any user info and every query value that SECRET_QUERY_KEY names masked, by pattern alone: for a
+    URI urlsplit cannot parse."""
+    uri = _USER_INFO.sub(r"\1***@", uri)
+    return _QUERY_VALUE.sub(lambda m: f"{m[1]}{m[2]}={'***' if SECRET_QUERY_KEY.search(m[2]) else m[3]}", uri)
 
 
 def refuse_links(path: Path) -> None:

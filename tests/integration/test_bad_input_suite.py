@@ -377,11 +377,15 @@ def test_a_paths_root_hydra_cannot_make_its_run_folder_under_is_one_line(tmp_pat
                         result.stderr.strip().splitlines()[-1])
 
 
-def test_credentials_in_the_mlflow_environment_variable_are_refused_too(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:hunter2@mlflow.example.com")
+@pytest.mark.parametrize("uri", ["https://alice:hunter2@mlflow.example.com", "http://alice:hunter2@[::1",
+                                 "http://[::1/?token=hunter2", "https://bob@[::1/?password=hunter2&x=1"])
+def test_credentials_in_the_mlflow_environment_variable_are_refused_too(uri, tmp_path, capsys, monkeypatch):
+    """A URI urlsplit cannot parse (an unclosed IPv6 bracket) was let through, and the next check echoed it whole."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
     err = capsys.readouterr().err
-    assert "hunter2" not in err and err.strip().splitlines()[-1].startswith("error: MLFLOW_TRACKING_URI: '")
+    assert "hunter2" not in err and "alice" not in err and "bob" not in err
+    assert err.strip().splitlines()[-1].startswith("error: MLFLOW_TRACKING_URI: '")
 
 
 # (a tracking URI MLflow cannot use, what the one line must say after "MLflow cannot use '<uri>': ")
