@@ -157,10 +157,13 @@ def _log_times(ctx: Context, metrics: dict, strict: bool) -> None:
         log.warning("could not log %s to MLflow: %s", ", ".join(metrics), error)
 
 
+INTERRUPTED = 130  # the shell's exit status for a process ended by SIGINT
+
+
 def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int:
-    """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input, and the local
-    Ray it started stopped either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
-    (remove_unused_hydra_run_folder)."""
+    """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input (INTERRUPTED on
+    Ctrl-C, with a line saying so), and the local Ray it started stopped either way. With the job's Hydra `cfg`, a
+    refused job also leaves no run folder (remove_unused_hydra_run_folder)."""
     try:
         action()
     except PipelineError as error:
@@ -168,6 +171,10 @@ def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int
         if cfg is not None:
             remove_unused_hydra_run_folder(cfg)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); finished stages and checkpoints are kept, and the same command resumes",
+              file=sys.stderr)
+        return INTERRUPTED
     finally:
         shutdown_if_started_here()
     return 0
@@ -211,7 +218,6 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
 
 
 URI_IN_OVERRIDE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"()\[\]]*")
-USER_INFO = re.compile(r"://[^/\s]*@")  # what lies between a scheme and its host's '@' is a user (and password)
 
 
 def refuse_credentials_in_overrides(arguments: list[str]) -> None:
@@ -219,7 +225,7 @@ def refuse_credentials_in_overrides(arguments: list[str]) -> None:
     job's overrides and saves them (multirun.yaml) before any job runs its own checks (validate). Each URI of a
     value is checked, a sweep's too (`key=uri1,uri2`); an empty paths.root too (Hydra's run folder goes under it).
     Raises PipelineError naming the key."""
-    from pipeline.tracking import refuse_credentials
+    from pipeline.tracking import USER_INFO, refuse_credentials
 
     for argument in arguments:
         key, assigned, value = argument.partition("=")

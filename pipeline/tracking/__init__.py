@@ -60,14 +60,14 @@ def refuse_credentials(uri: str, source: str) -> None:
                         "manifests")
 
 
-_USER_INFO = re.compile(r"(//)[^/?#]*@")
+USER_INFO = re.compile(r"://[^/\s]*@")  # what lies between a scheme and its host's '@' is a user (and password)
 _QUERY_VALUE = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
 
 
 def _redacted(uri: str) -> str:
     """`uri` with any user info and every query value that SECRET_QUERY_KEY names masked, by pattern alone: for a
     URI urlsplit cannot parse."""
-    uri = _USER_INFO.sub(r"\1***@", uri)
+    uri = USER_INFO.sub("://***@", uri)
     return _QUERY_VALUE.sub(lambda m: f"{m[1]}{m[2]}={'***' if SECRET_QUERY_KEY.search(m[2]) else m[3]}", uri)
 
 

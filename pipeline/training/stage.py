@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from omegaconf import OmegaConf
 
@@ -147,6 +151,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         raise PipelineError(f"train: the Ray Train run failed: {remote_cause(result.error)}")
     if result.checkpoint is None:
         raise PipelineError("train: the run finished without reporting a checkpoint")
+    check_run_finished(result.metrics, cfg.training.max_steps)
     select_by = str(cfg.training.select_best_by)
     chosen, score = _final_checkpoint(result, select_by if cfg.training.val_samples > 0 else None)
     with chosen.as_directory() as folder:
@@ -210,6 +215,16 @@ def own_latest_checkpoint(cfg, paths: StagePaths) -> Path | None:
     return latest_complete_checkpoint(storage / _run_name(paths))
 
 
+def check_run_finished(last_metrics: dict | None, max_steps: int) -> None:
+    """A run whose last report (the metrics of Ray Train's Result) is short of max_steps was stopped, not finished:
+    Ray Train's Ctrl-C abort ends the fit without an error, and its latest checkpoint must not become the final
+    one. Raises PipelineError."""
+    last_step = (last_metrics or {}).get("step")
+    if isinstance(last_step, int) and last_step < max_steps:
+        raise PipelineError(f"train: the Ray Train run stopped at step {last_step} of training.max_steps={max_steps} "
+                            "(interrupted); rerun the same command to resume it")
+
+
 def check_steps_left(step: int, max_steps: int, resume_from: Path) -> None:
     """A given training.resume_from must leave steps to train: a run no longer than its starting point would be
     that checkpoint under another run's key, its later schedule never run. Raises PipelineError."""
@@ -262,4 +277,25 @@ def _fit(ctx: Context, worker: WorkerConfig):
                              # Ray Train v2's RunConfig (the default); the stubs show v1's, which has no such field
                              worker_runtime_env={"env_vars": _worker_env(use_gpu)}),  # type: ignore[call-arg]
     )
-    return trainer.fit()
+    with _interrupt_handler_kept():
+        return trainer.fit()
+
+
+@contextlib.contextmanager
+def _interrupt_handler_kept() -> Iterator[None]:
+    """Put back the process's SIGINT handler after Ray Train's fit: the trainer installs its own and leaves it, so
+    Ctrl-C in a later stage only logged "Gracefully aborting the training run", and its third exited 0 from a
+    failed job."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread only
+        yield
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    except SystemExit as stop:  # Ray Train's handler exits 0 on the third Ctrl-C: an interrupted job is no success
+        if stop.code in (0, None):
+            raise KeyboardInterrupt from stop
+        raise
+    finally:
+        if handler is not None:  # None: installed outside Python, which getsignal cannot hand back
+            signal.signal(signal.SIGINT, handler)

@@ -155,3 +155,48 @@ def test_plain_engine_accumulates_micro_batches_into_one_step():
     for (name, mine), theirs in zip(accumulated.named_parameters(), single.parameters()):
         assert torch.allclose(mine, theirs, atol=1e-6), name
     assert not torch.equal(accumulated.fc.weight, tiny_drafter().fc.weight)
+
+
+def test_ray_trains_interrupt_handler_is_put_back_and_its_exit_0_is_an_interrupt():
+    """Ray Train installs a SIGINT handler for its fit and leaves it: Ctrl-C in later stages was swallowed, and its
+    third one exited 0 from a failed job."""
+    import signal
+
+    from pipeline.training.stage import _interrupt_handler_kept
+
+    def ours(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, ours)
+    try:
+        with _interrupt_handler_kept():
+            signal.signal(signal.SIGINT, lambda signum, frame: None)  # what the trainer does
+        assert signal.getsignal(signal.SIGINT) is ours
+        with pytest.raises(KeyboardInterrupt), _interrupt_handler_kept():
+            signal.signal(signal.SIGINT, lambda signum, frame: None)
+            raise SystemExit(0)  # the trainer's third Ctrl-C
+        assert signal.getsignal(signal.SIGINT) is ours
+        with pytest.raises(SystemExit, match="3"), _interrupt_handler_kept():
+            raise SystemExit(3)  # any other exit passes as it is
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_run_stopped_short_of_max_steps_is_not_taken_as_finished():
+    from pipeline.training.stage import check_run_finished
+
+    check_run_finished({"step": 60, "train.loss": 1.0}, 60)
+    check_run_finished(None, 60)  # nothing reported: the missing checkpoint is named elsewhere
+    with pytest.raises(PipelineError, match=r"^train: the Ray Train run stopped at step 15 of training\.max_steps=60 "
+                                            r"\(interrupted\); rerun the same command to resume it$"):
+        check_run_finished({"step": 15}, 60)
+
+
+def test_an_interrupted_job_says_so_and_exits_130(capsys):
+    from pipeline.runner import INTERRUPTED, run_guarded
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_guarded(interrupted) == INTERRUPTED == 130
+    assert capsys.readouterr().err.startswith("error: interrupted (Ctrl-C); ")
