@@ -526,6 +526,8 @@ class ServingConfig:
     speculative: bool = True
     # null = the evaluation's recommended K (registry tag eval.recommended_k), else the evaluated K.
     num_speculative_tokens: Optional[int] = None
+    # A registry version the promotion gate refused or never judged (tag gate.decision) is served only when true.
+    allow_unpromoted: bool = False
     app_name: str = "speculator"
     host: str = "127.0.0.1"
     port: int = 8000

@@ -51,12 +51,14 @@ def llm_config(serving: Any, served_name: str, verifier_path: str) -> dict:
 
 
 def speculator_source(uri: str, num_speculative_tokens: Optional[int], download_dir: str,
-                      tracking_uri: Optional[str], verifier_name: Optional[str] = None) -> dict:
+                      tracking_uri: Optional[str], verifier_name: Optional[str] = None,
+                      allow_unpromoted: bool = False) -> dict:
     """Where `build_app` finds the speculator: a registry URI, the MLflow store (None = MLFLOW_TRACKING_URI of
-    the node), a folder for the download (shared storage on a cluster), K (None = the evaluated K) and the
-    verifier.name it must have been trained on (None: its shapes are checked only)."""
+    the node), a folder for the download (shared storage on a cluster), K (None = the evaluated K), the
+    verifier.name it must have been trained on (None: its shapes are checked only) and whether a version the
+    promotion gate did not promote may be served."""
     return {"uri": uri, "num_speculative_tokens": num_speculative_tokens, "download_dir": download_dir,
-            "tracking_uri": tracking_uri, "verifier_name": verifier_name}
+            "tracking_uri": tracking_uri, "verifier_name": verifier_name, "allow_unpromoted": allow_unpromoted}
 
 
 def serve_config(serving: Any, llm: dict, speculator: Optional[dict]) -> dict:
@@ -90,10 +92,29 @@ def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     k = source.get("num_speculative_tokens") or resolved.recommended_k
     if not k:
         raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
+    check_served_gate(resolved, bool(source.get("allow_unpromoted")))
     check_served_k(resolved, int(k))
     check_served_verifier(resolved, str(llm["model_loading_config"]["model_source"]), source.get("verifier_name"))
     engine = {**llm["engine_kwargs"], "speculative_config": speculative_config(str(resolved.local_dir), int(k))}
     return {**llm, "engine_kwargs": engine}, resolved
+
+
+def check_served_gate(resolved: ResolvedSpeculator, allow_unpromoted: bool) -> None:
+    """Refuse a registry version the promotion gate did not promote (tag gate.decision: refused, or none: never
+    judged), unless allow_unpromoted: its served acceptance is in doubt (no vLLM cross-check, a tau gap, a
+    speed-up below 1). A run's artifact (runs:/...) is never registered or judged, so it is the user's own choice.
+    Raises PipelineError naming serving.model."""
+    if resolved.version is None or resolved.tags.get("gate.decision") == "promoted":
+        return
+    decision = resolved.tags.get("gate.decision")
+    why = (f"the promotion gate {decision} it ({resolved.tags.get('gate.reason', 'no reason recorded')})"
+           if decision else "the promotion gate never judged it")
+    if allow_unpromoted:
+        logging.getLogger(__name__).warning("serve: %s: %s; served because serving.allow_unpromoted is true",
+                                            resolved.uri, why)
+        return
+    raise PipelineError(f"serving.model: {resolved.uri} is not served: {why}; serve a promoted version (the "
+                        "champion alias), or set serving.allow_unpromoted=true")
 
 
 def check_served_k(resolved: ResolvedSpeculator, k: int) -> None:

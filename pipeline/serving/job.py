@@ -38,7 +38,7 @@ def serve_config_for(cfg: DictConfig, verifier_path: str, tracking_uri: str) -> 
     if cfg.serving.speculative:
         download_dir = Path(cfg.paths.root).expanduser().resolve() / "serve" / "speculators"
         speculator = speculator_source(model_uri(cfg), cfg.serving.num_speculative_tokens, str(download_dir),
-                                       tracking_uri, cfg.verifier.name)
+                                       tracking_uri, cfg.verifier.name, cfg.serving.allow_unpromoted)
     return serve_config(cfg.serving, llm, speculator)
 
 

@@ -90,7 +90,7 @@ def test_serve_config_comes_from_the_hydra_config(tmp_path):
                                          "num_speculative_tokens": None,
                                          "download_dir": str(tmp_path.resolve() / "serve" / "speculators"),
                                          "tracking_uri": "sqlite:///mlflow.db",
-                                         "verifier_name": "SmolLM2-135M-Instruct"}
+                                         "verifier_name": "SmolLM2-135M-Instruct", "allow_unpromoted": False}
     assert "speculative_config" not in llm["engine_kwargs"]  # added where the app is built, once resolved
     assert llm["accelerator_config"] == {"kind": "cpu"}
     assert llm["deployment_config"]["autoscaling_config"]["target_ongoing_requests"] == 8
@@ -206,6 +206,30 @@ def test_a_speculator_is_not_served_on_a_verifier_it_was_not_trained_on(tmp_path
         with_speculator(llm, {**source, "verifier_name": "tiny-qwen3"})
 
 
+@pytest.mark.parametrize("decision", ["refused", None])
+def test_a_version_the_gate_did_not_promote_is_served_only_when_allowed(tmp_path, decision, caplog):
+    """A version the gate refused (no vLLM cross-check, a speed-up below 1) or never judged was served without a
+    word when named by its number."""
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    tags = {"eval.recommended_k": "3", "gate.decision": decision, "gate.reason": "the served tau is unknown"}
+    version = register_speculator(tracker, tmp_path, "peagle", {k: v for k, v in tags.items() if v is not None})
+    if decision is None:
+        tracker.client.delete_model_version_tag("m", version, "gate.decision")
+    llm = llm_config(compose([]).serving, "m", "/verifier")
+    source = speculator_source(f"models:/m/{version}", None, str(tmp_path / "downloads"), tracker.uri)
+    why = ("the promotion gate refused it \\(the served tau is unknown\\)" if decision
+           else "the promotion gate never judged it")
+    with pytest.raises(PipelineError, match=rf"^serving\.model: models:/m/{version} is not served: {why}; serve a "
+                                            r"promoted version \(the champion alias\), or set "
+                                            r"serving\.allow_unpromoted=true$"):
+        with_speculator(llm, source)
+    with caplog.at_level("WARNING"):
+        assert with_speculator(llm, {**source, "allow_unpromoted": True})[1].version == version
+    assert "served because serving.allow_unpromoted is true" in caplog.text
+    tracker.set_version_tags("m", version, {"gate.decision": "promoted"})
+    assert with_speculator(llm, source)[1].version == version
+
+
 def test_bad_serving_settings_are_refused_by_name(tmp_path):
     with pytest.raises(PipelineError, match="serving.model"):
         validate(compose([f"paths.root={tmp_path}", "serving.model=champion"]))
@@ -229,7 +253,7 @@ def register_speculator(tracker, tmp_path, algorithm, tags, trained_k=None, shap
     seal(export)  # as the export stage seals it
     with tracker.parent_run("evaluate") as run_id:
         tracker.log_artifact(export, "speculator")
-        version = tracker.register("m", "speculator", run_id, tags)
+        version = tracker.register("m", "speculator", run_id, {"gate.decision": "promoted", **tags})
     tracker.set_alias("m", "champion", version)
     return version
 
