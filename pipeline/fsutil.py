@@ -11,6 +11,19 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _process_umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+# tempfile makes its files 0600 and folders 0700, for privacy while they are written; what the pipeline publishes
+# gets the modes any other file of the process would (0666 / 0777 less the umask), so that another user of shared
+# storage (a Ray worker, a Serve replica, a colleague) can read the export, store and reports.
+_UMASK = _process_umask()
+FILE_MODE, FOLDER_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
+
+
 def fsync_tree(folder: Path) -> None:
     """Flush every file under `folder`, then the folders themselves, to disk: a rename is durable only once what it
     names is (after a power loss, a renamed but unflushed file can read back empty)."""
@@ -35,6 +48,7 @@ def publish(tmp: Path | str, final: Path) -> None:
     """Rename a finished temporary file to its final name, durably: the file's bytes, then the rename."""
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
+    os.chmod(tmp, FILE_MODE)
     os.replace(tmp, final)
     _fsync_dir(Path(final).parent)
 
@@ -47,6 +61,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -60,6 +75,7 @@ def atomic_folder(target: Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
+        os.chmod(staging, FOLDER_MODE)
         yield staging
         fsync_tree(staging)
         if target.exists():

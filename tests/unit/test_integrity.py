@@ -136,3 +136,24 @@ def test_renamed_files_and_folders_are_flushed_before_and_after_the_rename(tmp_p
         (staging / "w.bin").write_bytes(b"123")
     assert any(f.endswith("/w.bin") for f in flushed) and flushed[-1] == str(tmp_path)
     assert (tmp_path / "out" / "w.bin").read_bytes() == b"123"
+
+
+def test_what_the_pipeline_publishes_has_the_modes_the_umask_gives_not_tempfiles_private_ones(tmp_path):
+    """tempfile makes 0600 files and 0700 folders: an export, report or shard published from one could not be read
+    by another user of shared storage."""
+    import tempfile
+
+    from pipeline.fsutil import FILE_MODE, FOLDER_MODE, atomic_folder, atomic_write_text, publish
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert FILE_MODE == 0o666 & ~mask and FOLDER_MODE == 0o777 & ~mask  # the process's umask, read once
+    atomic_write_text(tmp_path / "report.json", "{}")
+    with atomic_folder(tmp_path / "export") as staging:
+        (staging / "config.json").write_text("{}")
+    fd, tmp = tempfile.mkstemp(dir=tmp_path)
+    os.close(fd)
+    publish(tmp, tmp_path / "part.parquet")
+    for path, mode in [(tmp_path / "report.json", FILE_MODE), (tmp_path / "export", FOLDER_MODE),
+                       (tmp_path / "part.parquet", FILE_MODE)]:
+        assert path.stat().st_mode & 0o777 == mode != 0o600 & mode, path
