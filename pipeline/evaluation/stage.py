@@ -22,6 +22,7 @@ from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mis
 from pipeline.evaluation.report import ReportFigures, write_report
 from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import folder_digest
+from pipeline.logs import progress_bar
 from pipeline.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
 from pipeline.verifier import load_verifier, stop_token_ids
 
@@ -48,9 +49,9 @@ def summarize(per_request: list[AcceptanceCounts]) -> dict:
 
 
 def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict]],
-                     eval_cfg) -> tuple[dict, list[AcceptanceCounts]]:
-    """Decode every conversation, `batch_size` at a time; when asked, check each output is what
-    verifier.generate would give (`greedy_mismatches`).
+                     eval_cfg, set_name: str = "") -> tuple[dict, list[AcceptanceCounts]]:
+    """Decode every conversation, `batch_size` at a time, under a progress bar of requests; when asked, check each
+    output is what verifier.generate would give (`greedy_mismatches`).
     Returns the set's summary and each request's counts."""
     decoder = SpeculativeDecoder(verifier, drafter, eval_cfg.num_speculative_tokens, eval_cfg.temperature,
                                  eval_cfg.seed)
@@ -59,11 +60,13 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
     prompts = [prompt_ids(tokenizer, messages) for messages in conversations]
     outputs, counts = [], []
     started = time.perf_counter()
-    for start in range(0, len(prompts), eval_cfg.batch_size):
-        for tokens, request_counts in decoder.generate_batch(prompts[start:start + eval_cfg.batch_size],
-                                                             eval_cfg.max_new_tokens, stops):
-            outputs.append(tokens)
-            counts.append(request_counts)
+    with progress_bar(len(prompts), f"evaluate {set_name}".strip(), unit="request") as progress:
+        for start in range(0, len(prompts), eval_cfg.batch_size):
+            for tokens, request_counts in decoder.generate_batch(prompts[start:start + eval_cfg.batch_size],
+                                                                 eval_cfg.max_new_tokens, stops):
+                outputs.append(tokens)
+                counts.append(request_counts)
+            progress.update(min(eval_cfg.batch_size, len(prompts) - start))
     spec_seconds = time.perf_counter() - started
     mismatches, check_seconds = [], 0.0
     if check_equivalence:  # one teacher-forced forward per request, not a second decode
@@ -184,7 +187,7 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
     for name, conversations in sets.items():
         log.info("evaluate: %s, %d prompts, K=%d, batch %d", name, len(conversations),
                  eval_cfg.num_speculative_tokens, eval_cfg.batch_size)
-        per_set[name], counts = evaluate_prompts(verifier, tokenizer, drafter, conversations, eval_cfg)
+        per_set[name], counts = evaluate_prompts(verifier, tokenizer, drafter, conversations, eval_cfg, name)
         all_counts += counts
         log.info("evaluate: %s pooled tau %.3f", name, per_set[name]["pooled_tau"])
     requests = _requests_of(per_set)

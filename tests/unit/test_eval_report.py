@@ -37,6 +37,21 @@ def test_profile_of_an_oracle_drafter_grows_tau_with_k(tiny_verifier_path):
     assert all(row["verify_ms_per_step"] > 0 and row["draft_ms_per_step"] >= 0 for row in profile["per_k"])
 
 
+def test_an_eval_set_is_decoded_under_a_progress_bar_of_its_requests(tiny_verifier_path, capsys):
+    """Evaluation was the one long stage without a bar: minutes with one log line per set."""
+    from pipeline.evaluation.stage import evaluate_prompts
+
+    verifier, tokenizer = load_verifier(tiny_verifier_path)
+    drafter = drafter_for(tiny_verifier_path, verifier, tokenizer, num_speculative_tokens=2)
+    eval_cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig),
+                               {"num_speculative_tokens": 2, "max_new_tokens": 4, "batch_size": 2})
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS[:3]]
+    summary, counts = evaluate_prompts(verifier, tokenizer, drafter, conversations, eval_cfg, "code")
+    assert len(counts) == summary["num_requests"] == 3
+    bar = capsys.readouterr().err
+    assert "evaluate code" in bar and "3/3" in bar and "request" in bar
+
+
 def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
     cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
