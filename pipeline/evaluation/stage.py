@@ -86,6 +86,31 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
     }, counts
 
 
+def prompt_token_limit(verifier_config, eval_cfg) -> int:
+    """The longest prompt (tokens) an eval set may hold: its decode of max_new_tokens must fit both the verifier's
+    context (max_position_embeddings) and the context vLLM's cross-check serves (evaluation.vllm.max_model_len),
+    so the reference decoder and vLLM measure the same prompts."""
+    text_config = verifier_config.get_text_config(decoder=True)
+    context = min(getattr(text_config, "max_position_embeddings", None) or eval_cfg.vllm.max_model_len,
+                  eval_cfg.vllm.max_model_len)
+    return context - eval_cfg.max_new_tokens
+
+
+def fitting_prompts(set_name: str, conversations: list, tokenizer, limit: int) -> list:
+    """The set's conversations whose prompt is at most `limit` tokens; the rest are left out, counted in a warning
+    (as regenerate leaves out prompts past generation.max_length). Raises PipelineError naming the set when none
+    fits."""
+    kept = [messages for messages in conversations if len(prompt_ids(tokenizer, messages)) <= limit]
+    if len(kept) < len(conversations):
+        log.warning("evaluate: %s: left out %d of %d prompts longer than %d tokens (the context less "
+                    "evaluation.max_new_tokens)", set_name, len(conversations) - len(kept), len(conversations), limit)
+    if conversations and not kept:
+        raise PipelineError(f"evaluation.datasets: every prompt of eval set '{set_name}' is longer than {limit} "
+                            "tokens (evaluation.vllm.max_model_len or the verifier's context, less "
+                            "evaluation.max_new_tokens)")
+    return kept
+
+
 def _load_drafter(ctx: Context, checkpoint: Path):
     return decoding_drafter(checkpoint, ctx.cfg.evaluation.confidence_threshold)  # exactly what vLLM will load
 
@@ -183,6 +208,8 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
     drafter = _load_drafter(ctx, checkpoint)
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
     drafter.to(verifier.device)
+    limit = prompt_token_limit(verifier.config, eval_cfg)
+    sets = {name: fitting_prompts(name, conversations, tokenizer, limit) for name, conversations in sets.items()}
     per_set, all_counts = {}, []
     for name, conversations in sets.items():
         log.info("evaluate: %s, %d prompts, K=%d, batch %d", name, len(conversations),

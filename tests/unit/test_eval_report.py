@@ -52,6 +52,28 @@ def test_an_eval_set_is_decoded_under_a_progress_bar_of_its_requests(tiny_verifi
     assert "evaluate code" in bar and "3/3" in bar and "request" in bar
 
 
+def test_prompts_longer_than_the_served_context_are_left_out_and_counted(tiny_verifier_path, caplog):
+    """A held-out prompt of 20,000 tokens on an 8,192-token verifier ran for minutes, using 12 GB, with no word;
+    vLLM's cross-check (evaluation.vllm.max_model_len) could never serve it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.evaluation.stage import fitting_prompts, prompt_token_limit
+
+    config = AutoConfig.from_pretrained(tiny_verifier_path)
+    eval_cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {"max_new_tokens": 16})
+    assert prompt_token_limit(config, eval_cfg) == min(config.max_position_embeddings, 2048) - 16
+    config.max_position_embeddings = 100
+    assert prompt_token_limit(config, eval_cfg) == 84
+    tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_path)
+    short, long = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "word " * 500}]
+    with caplog.at_level("WARNING"):
+        assert fitting_prompts("held_out", [short, long, short], tokenizer, 84) == [short, short]
+    assert "held_out: left out 1 of 3 prompts longer than 84 tokens" in caplog.text
+    with pytest.raises(PipelineError, match=r"^evaluation\.datasets: every prompt of eval set 'chat' is longer "
+                                            r"than 84 tokens"):
+        fitting_prompts("chat", [long], tokenizer, 84)
+
+
 def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
     cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
