@@ -197,6 +197,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     _note_absent_root(sys.argv[1:])
+    started = time.time()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
@@ -207,6 +208,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         if not is_composition_error(error):
             raise
         print(f"error: {config_error_line(error, sys.argv[1:])}", file=sys.stderr)
+        _remove_records_of_sweeps_that_ran_nothing(sys.argv[1:], started)
         sys.exit(2)
     except OSError as error:
         if not _raised_making_hydras_run_folder(error):
@@ -260,6 +262,34 @@ def _note_absent_root(arguments: list[str]) -> None:
     while not path.exists() and path != path.parent:
         path, top = path.parent, path
     _root_made_here = top
+
+
+def _remove_records_of_sweeps_that_ran_nothing(arguments: list[str], since: float) -> None:
+    """Under `-m` Hydra writes the sweep's multirun.yaml (and makes paths.root for it) before it composes the first
+    job: a sweep refused while composing ran nothing, and leaves neither. Removes each such record under the
+    command line's paths.root written since `since` (epoch seconds) with nothing beside it, then the folders above
+    it left empty, paths.root included when this job made it (_note_absent_root)."""
+    if not {"-m", "--multirun"} & set(arguments):
+        return
+    root = next((value for key, _, value in (a.partition("=") for a in arguments) if key.lstrip("+") == "paths.root"),
+                PathsConfig.root)
+    if "${" in root or "," in root:
+        return
+    root_path = Path(root).expanduser().resolve()
+    # the folders go while empty, up to paths.root, or up to the top-most folder of it this job made
+    stop_at = _root_made_here.resolve().parent if _made_by_this_job(root_path) and _root_made_here else root_path
+    for record in root_path.glob("hydra/multirun/*/*/multirun.yaml"):
+        sweep = record.parent
+        if record.stat().st_mtime < since - 1 or [entry.name for entry in sweep.iterdir()] != [record.name]:
+            continue
+        record.unlink()
+        for empty in (sweep, *sweep.parents):
+            if empty == stop_at:
+                break
+            try:
+                empty.rmdir()
+            except OSError:  # holds another sweep or run
+                break
 
 
 def _raised_making_hydras_run_folder(error: OSError) -> bool:

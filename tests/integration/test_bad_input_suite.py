@@ -359,6 +359,19 @@ def test_a_sweep_refused_at_its_first_job_leaves_no_sweep_record(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("value, message", [("drafter=peagle,nosuch", "drafter: 'nosuch' is not one of"),
+                                            ("training.max_steps=5,abc", "training.max_steps: Value 'abc'")])
+def test_a_sweep_hydra_refuses_while_composing_leaves_no_record_and_no_root_it_made(tmp_path, value, message):
+    """Hydra writes multirun.yaml (making paths.root for it) before it composes the first job."""
+    made, kept = tmp_path / "made" / "root", tmp_path / "kept"
+    kept.mkdir()
+    for root in (made, kept):
+        result = subprocess.run([sys.executable, "jobs/train.py", "-m", f"paths.root={root}", value], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and list(kept.iterdir()) == []
+
+
 def test_a_sweep_record_beside_an_earlier_jobs_folder_is_kept(tmp_path):
     sweep = tmp_path / "sweep"
     (sweep / "earlier").mkdir(parents=True)
