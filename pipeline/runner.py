@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
@@ -70,18 +71,25 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
     file of each eval set evaluated, a training.resume_from folder, and what a stage reads that an earlier stage
     makes when this job does not run that one (_made_before). Raises PipelineError naming the field or the
     stage."""
-    from pipeline.data.prompts import LOCAL_FILE_SOURCES, prompt_file
-    from pipeline.evaluation.eval_sets import set_config
+    from pipeline.data.prompts import LOCAL_FILE_SOURCES, load_prompts, prompt_file, split_prompts
+    from pipeline.evaluation.eval_sets import read_named_set, set_config
     from pipeline.training.stage import own_latest_checkpoint
 
     if cfg.data.source in LOCAL_FILE_SOURCES:  # every stage's key holds the file's digest (paths.py)
         prompt_file(cfg.data)
+        # its contents too, while a stage of this job will split it (the stage reads it again, then logs what it
+        # left out): an empty, malformed or too small file is refused before MLflow's store, a lock or a log
+        if {"prompts", "regenerate", "evaluate"} & set(stages) and not paths.prompts.is_dir():
+            with _quiet("pipeline.data"):
+                split_prompts(load_prompts(cfg.data), cfg.data)
     if "evaluate" in stages:
         for name in cfg.evaluation.datasets:
             if name in cfg.evaluation.sets:
                 definition = set_config(name, cfg.evaluation)
                 if definition.source in LOCAL_FILE_SOURCES:
                     prompt_file(definition, f"evaluation.sets.{name}.path")
+                    with _quiet("pipeline.data"):
+                        read_named_set(name, cfg.evaluation)
     resume_from = cfg.training.resume_from
     # read only when the run has neither its final checkpoint nor one of its own to continue (training/stage.py)
     if "train" in stages and resume_from and not (paths.final_checkpoint / "spec.json").is_file() \
@@ -91,6 +99,18 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
         for maker, folder, marker, what, remedy in _made_before(stage, paths):
             if maker not in stages[:stages.index(stage)] and not (folder / marker).exists():
                 raise PipelineError(f"{stage}: no {what} at {folder}; {remedy}")
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Only errors from `logger_name` while a file is read ahead as a check: the stage reads it again and logs."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_given_resume_point(folder: Path, max_steps: int) -> None:

@@ -50,9 +50,19 @@ def set_config(name: str, eval_cfg: Any) -> Any:
 
 
 def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[dict]:
+    prompts = read_named_set(name, eval_cfg, writer)
+    unseen = [row for row in prompts if row["sample_id"] not in train_ids]
+    if len(unseen) < len(prompts):
+        log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))
+    return unseen[: eval_cfg.prompts_per_set]
+
+
+def read_named_set(name: str, eval_cfg: Any, writer=None):
+    """Every usable conversation of the eval set `name` (a datasets.Dataset, as load_prompts gives). Raises
+    PipelineError naming the set's own fields (evaluation.sets.<name>.path, ...)."""
     definition = set_config(name, eval_cfg)
     try:
-        prompts = load_prompts(definition, writer)
+        return load_prompts(definition, writer)
     except PipelineError as error:  # the reader names data's fields: here they are the set's own
         message = str(error)
         field = f"evaluation.sets.{name}"
@@ -61,7 +71,3 @@ def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[di
     except Exception as error:  # the hub raises connection errors of many types when offline
         raise PipelineError(f"evaluation.sets.{name}: cannot load {definition.path or name} "
                             f"({type(error).__name__}: {first_line(error)[:200]})") from error
-    unseen = [row for row in prompts if row["sample_id"] not in train_ids]
-    if len(unseen) < len(prompts):
-        log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))
-    return unseen[: eval_cfg.prompts_per_set]

@@ -704,15 +704,26 @@ def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, t
                                        r"first"),
     ("pipeline", ["stages=[vllm_eval]"], r"vllm_eval: no trained drafter at .*/final; run jobs/train\.py with this "
                                          r"config first"),
+    # the contents of a prompt file, while a stage of the job splits it, and of an evaluated set's file
+    ("pipeline", ["stages=[prompts]", "data.path={empty}"], r"data\.path: the prompt file '.*empty\.jsonl' is empty"),
+    ("generate", ["data.path={broken}"], r"data\.path: line 2 of '.*broken\.jsonl' .*"),
+    ("pipeline", ["stages=[prompts]", "data.path={one}"], r"data\.num_train \+ data\.num_eval = \d+ but the source "
+                                                         r"has only 1 conversations"),
+    ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{empty}'}}"],
+     r"evaluation\.sets\.mine\.path: the prompt file '.*empty\.jsonl' is empty"),
 ], ids=["prompt file", "prompt folder", "eval set file", "resume_from", "no checkpoint", "no store", "no answers",
-        "nothing to cross-check"])
+        "nothing to cross-check", "empty prompt file", "malformed line", "too few prompts", "empty eval set file"])
 def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, message, tmp_path, tiny_verifier_path,
                                                                    prompts_jsonl, capsys):
     """Each was refused only inside its stage: after MLflow's store, the stage locks, the prompts the evaluate job
     wrote first and (in a whole pipeline) regeneration, capture and training."""
     root = tmp_path / "out"
-    names = {"missing": tmp_path / "missing.jsonl", "folder": tmp_path / "folder"}
+    names = {"missing": tmp_path / "missing.jsonl", "folder": tmp_path / "folder", "empty": tmp_path / "empty.jsonl",
+             "broken": tmp_path / "broken.jsonl", "one": tmp_path / "one.jsonl"}
     names["folder"].mkdir()
+    names["empty"].write_text("\n\n")
+    names["broken"].write_text('{"prompt": "fine"}\n{"prompt": \n')
+    names["one"].write_text('{"prompt": "only one"}\n')
     cfg = compose(tiny_overrides(root, tiny_verifier_path, prompts_jsonl) + [e.format(**names) for e in extra])
     assert run_job(cfg, job) == 2
     assert re.fullmatch(f"error: {message}", _error_line(capsys))
