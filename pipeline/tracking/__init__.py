@@ -37,7 +37,8 @@ def refuse_credentials(uri: str, source: str) -> None:
     """A URI with a user or password (`https://user:secret@host`) or a secret query parameter (`?password=...`,
     SECRET_QUERY_KEY) would carry the secret into MLflow params, the Serve config and the RayService manifest; MLflow
     reads credentials from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead.
-    Raises PipelineError naming `source`; the message shows the URI without them."""
+    Raises PipelineError naming `source`, also for a URI urlsplit cannot parse; the message shows the URI without
+    them."""
     from urllib.parse import parse_qsl, urlsplit
 
     try:
