@@ -12,9 +12,21 @@ from typing import Iterator
 
 
 def _process_umask() -> int:
-    mask = os.umask(0o022)  # reading it means setting it: put it straight back
+    """The umask, read from /proc where Linux shows it; elsewhere by setting it and putting it straight back (a file
+    another thread made in that instant would get 022)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def share(path: Path | str, mode: int) -> None:
+    """chmod `path` to `mode`; a filesystem that refuses chmod (some FUSE and SMB mounts) keeps its own modes."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, mode)
 
 
 # tempfile makes its files 0600 and folders 0700, for privacy while they are written; what the pipeline publishes
@@ -48,7 +60,7 @@ def publish(tmp: Path | str, final: Path) -> None:
     """Rename a finished temporary file to its final name, durably: the file's bytes, then the rename."""
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
-    os.chmod(tmp, FILE_MODE)
+    share(tmp, FILE_MODE)
     os.replace(tmp, final)
     _fsync_dir(Path(final).parent)
 
@@ -61,7 +73,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, FILE_MODE)
+        share(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -75,7 +87,7 @@ def atomic_folder(target: Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        os.chmod(staging, FOLDER_MODE)
+        share(staging, FOLDER_MODE)
         yield staging
         fsync_tree(staging)
         if target.exists():

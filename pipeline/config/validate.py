@@ -241,9 +241,11 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
     _require(str(evaluation.vllm.enabled).lower() in ("auto", "true", "false"),
              "evaluation.vllm.enabled: must be auto, true or false")
     _require_fraction(evaluation.vllm.memory_fraction, "evaluation.vllm.memory_fraction")
-    _require(evaluation.vllm.max_model_len > evaluation.max_new_tokens,
+    _require(evaluation.vllm.max_model_len >= 1, "evaluation.vllm.max_model_len: must be >= 1")
+    vllm_off = str(evaluation.vllm.enabled).lower() == "false"
+    _require(vllm_off or evaluation.vllm.max_model_len > evaluation.max_new_tokens,
              f"evaluation.vllm.max_model_len: must exceed evaluation.max_new_tokens={evaluation.max_new_tokens} "
-             "(each eval prompt and its decode fit in it)")
+             "(each eval prompt and its decode fit in it), unless evaluation.vllm.enabled=false")
     _require(evaluation.vllm.kv_cache_gb is None or evaluation.vllm.kv_cache_gb > 0,
              "evaluation.vllm.kv_cache_gb: must be > 0 (or null)")
     _require(evaluation.vllm.timeout_s >= 1, "evaluation.vllm.timeout_s: must be >= 1")

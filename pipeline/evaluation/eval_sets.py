@@ -7,7 +7,7 @@ split are left out before its first `prompts_per_set` are taken (HumanEval is bo
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 from pipeline.data.chat import prompt_messages
 from pipeline.data.prompts import load_prompts
@@ -18,14 +18,20 @@ log = logging.getLogger(__name__)
 HELD_OUT = "held_out"
 
 
-def eval_sets(eval_cfg: Any, held_out, train_ids: set[str], writer=None) -> dict[str, list[list[dict]]]:
+def eval_sets(eval_cfg: Any, held_out, train_ids: set[str], writer=None,
+              fit: Optional[Callable[[str, list], list]] = None) -> dict[str, list[list[dict]]]:
     """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them.
 
-    writer: the verifier's PromptWriter, for sets of the verifier's own prompts (code, math, chat)."""
+    writer: the verifier's PromptWriter, for sets of the verifier's own prompts (code, math, chat). fit(name,
+    conversations): the ones that fit the context they are decoded in (None: all), applied before a named set is
+    cut to evaluation.prompts_per_set, so that long prompts leave room for others."""
     sets: dict[str, list[list[dict]]] = {}
     for name in eval_cfg.datasets:
         rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, train_ids, writer)
-        sets[name] = [prompt_messages(row["messages"]) for row in rows]
+        conversations = [prompt_messages(row["messages"]) for row in rows]
+        if fit is not None:
+            conversations = fit(name, conversations)
+        sets[name] = conversations if name == HELD_OUT else conversations[: eval_cfg.prompts_per_set]
         if not sets[name]:
             raise PipelineError(f"evaluation.datasets: the eval set '{name}' has no prompts")
     return sets
@@ -54,7 +60,7 @@ def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[di
     unseen = [row for row in prompts if row["sample_id"] not in train_ids]
     if len(unseen) < len(prompts):
         log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))
-    return unseen[: eval_cfg.prompts_per_set]
+    return unseen
 
 
 def read_named_set(name: str, eval_cfg: Any, writer=None):

@@ -87,13 +87,17 @@ def evaluate_prompts(verifier, tokenizer, drafter, conversations: list[list[dict
 
 
 def prompt_token_limit(verifier_config, eval_cfg) -> int:
-    """The longest prompt (tokens) an eval set may hold: its decode of max_new_tokens must fit both the verifier's
-    context (max_position_embeddings) and the context vLLM's cross-check serves (evaluation.vllm.max_model_len),
-    so the reference decoder and vLLM measure the same prompts."""
+    """The longest prompt (tokens) an eval set may hold: its longest decode (max_new_tokens, or the profile's) must
+    fit the verifier's context (max_position_embeddings) and, unless the cross-check is off
+    (evaluation.vllm.enabled=false), the context vLLM serves (evaluation.vllm.max_model_len), so the reference
+    decoder and vLLM measure the same prompts."""
     text_config = verifier_config.get_text_config(decoder=True)
-    context = min(getattr(text_config, "max_position_embeddings", None) or eval_cfg.vllm.max_model_len,
-                  eval_cfg.vllm.max_model_len)
-    return context - eval_cfg.max_new_tokens
+    contexts = [getattr(text_config, "max_position_embeddings", None)]
+    if str(eval_cfg.vllm.enabled).lower() != "false":
+        contexts.append(eval_cfg.vllm.max_model_len)
+    known = [context for context in contexts if context]
+    decode = max(eval_cfg.max_new_tokens, eval_cfg.profile_max_new_tokens or 0)
+    return (min(known) if known else eval_cfg.vllm.max_model_len) - decode
 
 
 def fitting_prompts(set_name: str, conversations: list, tokenizer, limit: int) -> list:
@@ -102,12 +106,12 @@ def fitting_prompts(set_name: str, conversations: list, tokenizer, limit: int) -
     fits."""
     kept = [messages for messages in conversations if len(prompt_ids(tokenizer, messages)) <= limit]
     if len(kept) < len(conversations):
-        log.warning("evaluate: %s: left out %d of %d prompts longer than %d tokens (the context less "
-                    "evaluation.max_new_tokens)", set_name, len(conversations) - len(kept), len(conversations), limit)
+        log.warning("evaluate: %s: left out %d of %d prompts longer than %d tokens (the context less the longest "
+                    "decode)", set_name, len(conversations) - len(kept), len(conversations), limit)
     if conversations and not kept:
         raise PipelineError(f"evaluation.datasets: every prompt of eval set '{set_name}' is longer than {limit} "
                             "tokens (evaluation.vllm.max_model_len or the verifier's context, less "
-                            "evaluation.max_new_tokens)")
+                            "evaluation.max_new_tokens or profile_max_new_tokens)")
     return kept
 
 
@@ -204,12 +208,12 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
         return finished
     if len(held_out) == 0 and "held_out" in eval_cfg.datasets:
         raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")
-    sets = eval_sets(eval_cfg, held_out, train_ids, ctx.prompt_writer())
     drafter = _load_drafter(ctx, checkpoint)
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
     drafter.to(verifier.device)
     limit = prompt_token_limit(verifier.config, eval_cfg)
-    sets = {name: fitting_prompts(name, conversations, tokenizer, limit) for name, conversations in sets.items()}
+    sets = eval_sets(eval_cfg, held_out, train_ids, ctx.prompt_writer(),
+                     fit=lambda name, conversations: fitting_prompts(name, conversations, tokenizer, limit))
     per_set, all_counts = {}, []
     for name, conversations in sets.items():
         log.info("evaluate: %s, %d prompts, K=%d, batch %d", name, len(conversations),

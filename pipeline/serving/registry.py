@@ -20,7 +20,7 @@ from typing import Any, Optional
 from filelock import FileLock
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import FOLDER_MODE
+from pipeline.fsutil import FOLDER_MODE, share
 from pipeline.integrity import is_intact, verify
 
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
@@ -95,7 +95,7 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
     into.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{into.name}.", dir=into.parent))
     try:
-        os.chmod(staging, FOLDER_MODE)  # a replica of another user reads it
+        share(staging, FOLDER_MODE)  # a replica of another user reads it
         client.download_artifacts(run_id, path, str(staging))
         if not (staging / path / "config.json").is_file():
             raise PipelineError(f"serving.model: {run_id}/{path} holds no speculators config.json")

@@ -121,7 +121,7 @@ OVERRIDES = [
     ("generation.cpus_per_actor=0", "generation.cpus_per_actor: must be >= 1"),
     ("generation.gpu_memory_utilization=1.5", "generation.gpu_memory_utilization: must be in (0, 1]"),
     ("evaluation.vllm.memory_fraction=0", "evaluation.vllm.memory_fraction: must be in (0, 1]"),
-    ("evaluation.vllm.max_model_len=0", "evaluation.vllm.max_model_len: must exceed evaluation.max_new_tokens="),
+    ("evaluation.vllm.max_model_len=0", "evaluation.vllm.max_model_len: must be >= 1"),
     ("evaluation.max_new_tokens=2048", "evaluation.vllm.max_model_len: must exceed evaluation.max_new_tokens=2048"),
     ("serving.memory_fraction=2", "serving.memory_fraction: must be in (0, 1]"),
     ("serving.max_model_len=0", "serving.max_model_len: must be >= 1"),
@@ -153,6 +153,14 @@ OVERRIDES = [
     ("serving.autoscaling.min_replicas=5", "serving.autoscaling: Value error, max_replicas (1) must be greater"),
     ("+serving.autoscaling.max_replica=2", "serving.autoscaling.max_replica: not a Ray Serve autoscaling setting"),
 ]
+
+
+def test_a_decode_longer_than_vllms_context_is_allowed_when_vllm_never_runs():
+    from pipeline.config import validate
+
+    validate(compose(["evaluation.vllm.enabled=false", "evaluation.max_new_tokens=4096"]))
+    with pytest.raises(PipelineError, match=r"^evaluation\.vllm\.max_model_len: must exceed "):
+        validate(compose(["evaluation.vllm.enabled=true", "evaluation.max_new_tokens=4096"]))
 
 
 @pytest.mark.parametrize("override, message", OVERRIDES, ids=[case[0][:60] for case in OVERRIDES])

@@ -64,6 +64,12 @@ def test_prompts_longer_than_the_served_context_are_left_out_and_counted(tiny_ve
     assert prompt_token_limit(config, eval_cfg) == min(config.max_position_embeddings, 2048) - 16
     config.max_position_embeddings = 100
     assert prompt_token_limit(config, eval_cfg) == 84
+    eval_cfg.profile_max_new_tokens = 40  # the profile's decode is the longest
+    assert prompt_token_limit(config, eval_cfg) == 60
+    config.max_position_embeddings, eval_cfg.profile_max_new_tokens = 8192, None
+    assert prompt_token_limit(config, eval_cfg) == 2048 - 16  # vLLM's context, which the cross-check serves
+    eval_cfg.vllm.enabled = "false"
+    assert prompt_token_limit(config, eval_cfg) == 8192 - 16  # no cross-check: the verifier's own
     tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_path)
     short, long = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "word " * 500}]
     with caplog.at_level("WARNING"):
@@ -85,6 +91,11 @@ def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
     assert list(sets) == ["held_out", "mine"]
     assert sets["held_out"] == [[{"role": "user", "content": "held"}]]  # the answer is not part of the prompt
     assert [m[0]["content"] for m in sets["mine"]] == ["question 1", "question 3", "question 4"]
+    # prompts too long for the context are left out before the set is cut, so others take their place
+    too_long = {"question 1", "question 3"}
+    sets = eval_sets(cfg, held_out, trained, fit=lambda name, conversations: [
+        c for c in conversations if c[0]["content"] not in too_long])
+    assert [m[0]["content"] for m in sets["mine"]] == ["question 4", "question 5"]
 
 
 def test_an_unreadable_eval_set_names_itself(tmp_path):
