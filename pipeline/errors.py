@@ -48,6 +48,11 @@ def read_json_object(path: Path | str, field: str, what: str, required: Sequence
     return found
 
 
+def required_fields(schema: Any) -> tuple[str, ...]:
+    """The fields a pydantic model class requires, in its order: what read_json_object's `required` names for it."""
+    return tuple(name for name, info in schema.model_fields.items() if info.is_required())
+
+
 _PROBLEMS = {"float_type": "not a number", "int_type": "not a whole number", "int_from_float": "not a whole number",
              "missing": "missing", "dict_type": "not an object", "model_type": "not an object",
              "list_type": "not a list", "string_type": "not text", "bool_type": "not true or false"}

@@ -98,16 +98,15 @@ def _hub_config_file(hub_id: str) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import logging as hub_logging
 
-    hub_logger = hub_logging.get_logger()
-    level = hub_logger.level
-    hub_logger.setLevel("ERROR")  # its "Retrying in Ns" warnings: the outcome is the one line below
-    try:
-        return Path(hf_hub_download(hub_id, "config.json"))
-    except Exception as error:  # offline, an unknown or gated id, a network error: the hub raises many types
-        raise PipelineError(f"verifier.path: cannot load hub model '{hub_id}' (not in the local hub cache, and the "
-                            f"hub did not give it: {type(error).__name__}: {first_line(error)})") from None
-    finally:
-        hub_logger.setLevel(level)
+    from pipeline.logs import quieted
+
+    # its "Retrying in Ns" warnings: the outcome is the one line below
+    with quieted(hub_logging.get_logger()):
+        try:
+            return Path(hf_hub_download(hub_id, "config.json"))
+        except Exception as error:  # offline, an unknown or gated id, a network error: the hub raises many types
+            raise PipelineError(f"verifier.path: cannot load hub model '{hub_id}' (not in the local hub cache, and "
+                                f"the hub did not give it: {type(error).__name__}: {first_line(error)})") from None
 
 
 def _check_hub_snapshot(hub_id: str, snapshot: Path) -> None:

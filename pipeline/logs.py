@@ -9,13 +9,14 @@ record, and the same message at a higher level, passes. Ray's workers install th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, TextIO
+from typing import Callable, Iterable, Iterator, Optional, TextIO
 
 # Read at import by Ray Data and datasets: the driver's own stage bars already show the progress, and without a
 # terminal Ray Data logs a seven-line block every 10 s instead of a bar.
@@ -185,3 +186,15 @@ def progress_bar(total: int, desc: str, *, initial: int = 0, unit: str = "it", d
 def _is_terminal(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+@contextlib.contextmanager
+def quieted(logger: logging.Logger) -> Iterator[None]:
+    """Only errors from `logger` inside the block (a library's retry warnings, a file read ahead as a check), then
+    its own level again."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -19,7 +18,7 @@ from pipeline.config.schema import PathsConfig
 from pipeline.context import Context
 from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
-from pipeline.logs import setup_job_logging
+from pipeline.logs import quieted, setup_job_logging
 from pipeline.paths import StagePaths
 from pipeline.stages import STAGES
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
@@ -80,7 +79,7 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
         # its contents too, while a stage of this job will split it (the stage reads it again, then logs what it
         # left out): an empty, malformed or too small file is refused before MLflow's store, a lock or a log
         if {"prompts", "regenerate", "evaluate"} & set(stages) and not paths.prompts.is_dir():
-            with _quiet("pipeline.data"):
+            with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
                 split_prompts(load_prompts(cfg.data), cfg.data)
     if "evaluate" in stages:
         for name in cfg.evaluation.datasets:
@@ -88,7 +87,7 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
                 definition = set_config(name, cfg.evaluation)
                 if definition.source in LOCAL_FILE_SOURCES:
                     prompt_file(definition, f"evaluation.sets.{name}.path")
-                    with _quiet("pipeline.data"):
+                    with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
                         read_named_set(name, cfg.evaluation)
     resume_from = cfg.training.resume_from
     # read only when the run has neither its final checkpoint nor one of its own to continue (training/stage.py)
@@ -99,18 +98,6 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
         for maker, folder, marker, what, remedy in _made_before(stage, paths):
             if maker not in stages[:stages.index(stage)] and not (folder / marker).exists():
                 raise PipelineError(f"{stage}: no {what} at {folder}; {remedy}")
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    """Only errors from `logger_name` while a file is read ahead as a check: the stage reads it again and logs."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _check_given_resume_point(folder: Path, max_steps: int) -> None:
@@ -266,19 +253,26 @@ def refuse_credentials_in_overrides(arguments: list[str]) -> None:
 _root_made_here: Path | None = None  # the top-most folder of paths.root that did not exist when the job started
 
 
-def _note_absent_root(arguments: list[str]) -> None:
-    """Remember the part of paths.root (the command line's, else the schema's default) that does not exist yet:
-    Hydra makes it for its run folder before any check, and a refused job should leave nothing it made. A root
-    given through an interpolation or a sweep is not followed."""
-    global _root_made_here
+def _command_line_root(arguments: list[str]) -> Path | None:
+    """paths.root as the command line gives it (the last override), else the schema's default; None for one given
+    through an interpolation or a sweep, which is not followed."""
     root = PathsConfig.root
     for argument in arguments:
         key, _, value = argument.partition("=")
         if key.lstrip("+") == "paths.root":
             root = value
-    if "${" in root or "," in root:
+    return None if "${" in root or "," in root else Path(root).expanduser()
+
+
+def _note_absent_root(arguments: list[str]) -> None:
+    """Remember the part of paths.root (the command line's, else the schema's default) that does not exist yet:
+    Hydra makes it for its run folder before any check, and a refused job should leave nothing it made. A root
+    given through an interpolation or a sweep is not followed."""
+    global _root_made_here
+    root = _command_line_root(arguments)
+    if root is None:
         return
-    path, top = Path(root).expanduser().absolute(), None
+    path, top = root.absolute(), None
     while not path.exists() and path != path.parent:
         path, top = path.parent, path
     _root_made_here = top
@@ -291,11 +285,10 @@ def _remove_records_of_sweeps_that_ran_nothing(arguments: list[str], since: floa
     it left empty, paths.root included when this job made it (_note_absent_root)."""
     if not {"-m", "--multirun"} & set(arguments):
         return
-    root = next((value for key, _, value in (a.partition("=") for a in arguments) if key.lstrip("+") == "paths.root"),
-                PathsConfig.root)
-    if "${" in root or "," in root:
+    root = _command_line_root(arguments)
+    if root is None:
         return
-    root_path = Path(root).expanduser().resolve()
+    root_path = root.resolve()
     # the folders go while empty, up to paths.root, or up to the top-most folder of it this job made
     stop_at = _root_made_here.resolve().parent if _made_by_this_job(root_path) and _root_made_here else root_path
     for record in root_path.glob("hydra/multirun/*/*/multirun.yaml"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.context import Context
 from pipeline.data.chat import prompt_ids
-from pipeline.errors import PipelineError, read_json, read_json_object
+from pipeline.errors import PipelineError, read_json, read_json_object, required_fields
 from pipeline.evaluation.eval_sets import eval_sets
 from pipeline.evaluation.gate import evaluation_signature
 from pipeline.evaluation.measured_drafter import decoding_drafter
@@ -249,9 +249,7 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
 
 
 # What the later stages read from a report (export's card, vllm_eval, promote's gate, _publish).
-REPORT_FIELDS = ("pooled_tau", "per_request_tau", "drafts_per_step", "conditional_acceptance",
-                 "cumulative_acceptance", "profile", "datasets", "num_speculative_tokens", "max_new_tokens",
-                 "temperature", "greedy_mismatches", "drafter", "verifier", "checkpoint", "signature")
+REPORT_FIELDS = required_fields(ReportFigures)
 
 
 def load_report(folder: Path) -> dict:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline.context import Context
 from pipeline.drafters import drafter_class
-from pipeline.errors import PipelineError, read_json_object
+from pipeline.errors import PipelineError, read_json_object, required_fields
 from pipeline.evaluation import gate
 from pipeline.families import load_verifier_config, vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
@@ -119,12 +119,9 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
         return json.loads(out.read_text())
 
 
-# What the stage's metrics and promote's gate read from a cross-check (compare writes them all).
-RESULT_FIELDS = ("tau", "tau_gap", "cumulative_acceptance", "num_requests", "reference_tau")
-
-
 class ResultFigures(BaseModel):
-    """The figures read back from a cross-check (vllm.json), strictly as JSON kinds: true is no number."""
+    """What the stage's metrics and promote's gate read back from a cross-check (vllm.json; compare writes them
+    all), strictly as JSON kinds: true is no number."""
     model_config = ConfigDict(strict=True, extra="allow")
     tau: float
     tau_gap: float
@@ -134,6 +131,9 @@ class ResultFigures(BaseModel):
     requests_matching_reference: Optional[int] = None
     divergence_fault: Optional[str] = None
     lossless: Optional[bool] = None
+
+
+RESULT_FIELDS = required_fields(ResultFigures)
 
 
 def load_result(folder: Path, report: dict | None = None) -> dict:
