@@ -17,7 +17,7 @@ from typing import Any, Optional
 from pipeline.errors import PipelineError
 from pipeline.evaluation.vllm_runner import speculative_config
 from pipeline.families import vllm_engine_options
-from pipeline.serving.registry import ResolvedSpeculator, resolve
+from pipeline.serving.registry import LocatedSpeculator, ResolvedSpeculator, fetch, locate
 
 IMPORT_PATH = "pipeline.serving.app:build_app"
 
@@ -88,32 +88,34 @@ def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     """The LLM config with the resolved speculator's `speculative_config`; downloads it on first use."""
     from pipeline.tracking import client_for
 
-    resolved = resolve(client_for(source.get("tracking_uri")), source["uri"], Path(source["download_dir"]))
+    client = client_for(source.get("tracking_uri"))
+    located = locate(client, source["uri"])
+    check_served_gate(located, bool(source.get("allow_unpromoted")))  # before a refused version is downloaded
+    resolved = fetch(client, located, Path(source["download_dir"]))
     k = source.get("num_speculative_tokens") or resolved.recommended_k
     if not k:
         raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
-    check_served_gate(resolved, bool(source.get("allow_unpromoted")))
     check_served_k(resolved, int(k))
     check_served_verifier(resolved, str(llm["model_loading_config"]["model_source"]), source.get("verifier_name"))
     engine = {**llm["engine_kwargs"], "speculative_config": speculative_config(str(resolved.local_dir), int(k))}
     return {**llm, "engine_kwargs": engine}, resolved
 
 
-def check_served_gate(resolved: ResolvedSpeculator, allow_unpromoted: bool) -> None:
+def check_served_gate(located: LocatedSpeculator, allow_unpromoted: bool) -> None:
     """Refuse a registry version the promotion gate did not promote (tag gate.decision: refused, or none: never
     judged), unless allow_unpromoted: its served acceptance is in doubt (no vLLM cross-check, a tau gap, a
     speed-up below 1). A run's artifact (runs:/...) is never registered or judged, so it is the user's own choice.
     Raises PipelineError naming serving.model."""
-    if resolved.version is None or resolved.tags.get("gate.decision") == "promoted":
+    if located.version is None or located.tags.get("gate.decision") == "promoted":
         return
-    decision = resolved.tags.get("gate.decision")
-    why = (f"the promotion gate {decision} it ({resolved.tags.get('gate.reason', 'no reason recorded')})"
+    decision = located.tags.get("gate.decision")
+    why = (f"the promotion gate {decision} it ({located.tags.get('gate.reason', 'no reason recorded')})"
            if decision else "the promotion gate never judged it")
     if allow_unpromoted:
         logging.getLogger(__name__).warning("serve: %s: %s; served because serving.allow_unpromoted is true",
-                                            resolved.uri, why)
+                                            located.uri, why)
         return
-    raise PipelineError(f"serving.model: {resolved.uri} is not served: {why}; serve a promoted version (the "
+    raise PipelineError(f"serving.model: {located.uri} is not served: {why}; serve a promoted version (the "
                         "champion alias), or set serving.allow_unpromoted=true")
 
 

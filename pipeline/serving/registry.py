@@ -117,8 +117,22 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
     return local
 
 
-def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
-    """Fetch the speculator `uri` names into download_root (a folder per version or run)."""
+@dataclass(frozen=True)
+class LocatedSpeculator:
+    """Where a speculator URI points, read from the registry or the run before anything is downloaded: enough to
+    judge it (its tags) without fetching its weights."""
+
+    uri: str
+    run_id: str
+    path: str  # the exported folder inside the run's artifacts
+    folder: str  # its download folder under the download root: one per version or run
+    version: Optional[str] = None  # the registry version; None for a runs:/ URI
+    tags: dict[str, str] = field(default_factory=dict)  # the version's tags, or the run's
+
+
+def locate(client: Any, uri: str) -> LocatedSpeculator:
+    """The run, artifact folder, version and tags `uri` names. Raises PipelineError naming serving.model for a
+    malformed URI, an unknown name, alias, version or run, or a version whose source names no folder."""
     from pipeline.tracking import mlflow_errors_as
 
     check_model_uri(uri)
@@ -132,16 +146,27 @@ def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
             if path in ("", ".", ".."):
                 raise PipelineError(f"serving.model: {uri}'s source {version.source!r} names no artifact folder")
             # The run id in the name: a recreated model, or another tracking server, has other runs behind v<N>.
-            local = _download(client, run_id, path, download_root / f"{name}-v{version.version}-{run_id[:12]}")
-            tags, number = dict(version.tags), str(version.version)
-        else:
-            assert run is not None  # check_model_uri accepted one of the two forms
-            run_id, path = run["run_id"], run["path"]
-            local = _download(client, run_id, path, download_root / f"run-{run_id}")
-            tags, number = dict(client.get_run(run_id).data.tags), None
+            return LocatedSpeculator(uri, run_id, path, f"{name}-v{version.version}-{run_id[:12]}",
+                                     str(version.version), dict(version.tags))
+        assert run is not None  # check_model_uri accepted one of the two forms
+        return LocatedSpeculator(uri, run["run_id"], run["path"], f"run-{run['run_id']}", None,
+                                 dict(client.get_run(run["run_id"]).data.tags))
+
+
+def fetch(client: Any, located: LocatedSpeculator, download_root: Path) -> ResolvedSpeculator:
+    """Download the located speculator into download_root (once; checked against its integrity record)."""
+    from pipeline.tracking import mlflow_errors_as
+
+    with mlflow_errors_as("serving.model", f"cannot resolve '{located.uri}'"):
+        local = _download(client, located.run_id, located.path, download_root / located.folder)
     config = json.loads((local / "config.json").read_text())
-    return ResolvedSpeculator(uri=uri, local_dir=local, algorithm=config["speculators_model_type"], run_id=run_id,
-                              version=number, tags=tags, config=config)
+    return ResolvedSpeculator(uri=located.uri, local_dir=local, algorithm=config["speculators_model_type"],
+                              run_id=located.run_id, version=located.version, tags=located.tags, config=config)
+
+
+def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
+    """Fetch the speculator `uri` names into download_root (a folder per version or run)."""
+    return fetch(client, locate(client, uri), download_root)
 
 
 def trained_k(config: dict[str, Any]) -> Optional[int]:

@@ -209,7 +209,7 @@ def test_a_speculator_is_not_served_on_a_verifier_it_was_not_trained_on(tmp_path
 @pytest.mark.parametrize("decision", ["refused", None])
 def test_a_version_the_gate_did_not_promote_is_served_only_when_allowed(tmp_path, decision, caplog):
     """A version the gate refused (no vLLM cross-check, a speed-up below 1) or never judged was served without a
-    word when named by its number."""
+    word when named by its number; refused, it is not even downloaded."""
     tracker = Tracker(compose([f"paths.root={tmp_path}"]))
     tags = {"eval.recommended_k": "3", "gate.decision": decision, "gate.reason": "the served tau is unknown"}
     version = register_speculator(tracker, tmp_path, "peagle", {k: v for k, v in tags.items() if v is not None})
@@ -223,6 +223,7 @@ def test_a_version_the_gate_did_not_promote_is_served_only_when_allowed(tmp_path
                                             r"promoted version \(the champion alias\), or set "
                                             r"serving\.allow_unpromoted=true$"):
         with_speculator(llm, source)
+    assert not (tmp_path / "downloads").exists()  # refused on its tags: its weights were never fetched
     with caplog.at_level("WARNING"):
         assert with_speculator(llm, {**source, "allow_unpromoted": True})[1].version == version
     assert "served because serving.allow_unpromoted is true" in caplog.text
