@@ -106,14 +106,26 @@ def check_fits_local_ray(cfg: Any, stages: list[str], prompts_made: bool = False
                 requests.append((f"evaluation.sets.{name}.synthetic.cpus", definition.synthetic.cpus,
                                  "the prompt writer's task"))
     if "serve" in stages:
-        replicas = int(cfg.serving.autoscaling.get("min_replicas", 1) or 1)
-        requests.append(("serving.replica_cpus", cfg.serving.replica_cpus * replicas,
-                         f"{replicas} LLM replica actors of serving.replica_cpus={cfg.serving.replica_cpus} CPUs"))
+        serving = cfg.serving
+        replicas = int(serving.autoscaling.get("min_replicas", 1) or 1)
+        engine = serving_engine_cpus(serving)
+        requests.append(("serving.replica_cpus", (serving.replica_cpus + engine) * replicas,
+                         f"{replicas} LLM replicas, each an actor of serving.replica_cpus={serving.replica_cpus} "
+                         f"CPUs beside its vLLM engine's {engine}"))
     for field, needed, what in requests:
         if needed > cpus:
             raise PipelineError(f"{field}: asks for {needed} CPUs ({what}); the local Ray this job starts has {cpus} "
                                 "(cluster.local_num_cpus, or this machine's); lower it, or join a cluster "
                                 "(cluster.address / RAY_ADDRESS)")
+
+
+def serving_engine_cpus(serving: Any) -> int:
+    """CPUs one vLLM engine of the serve job holds besides its replica actor: on CPU, Ray Serve LLM's placement
+    group gives each of its tensor x pipeline parallel workers a bundle of 1 CPU (ray.llm CPUAccelerator's default
+    bundles, merged with the replica actor's); on GPU its bundles ask for GPUs only."""
+    if str(serving.accelerator) != "cpu":
+        return 0
+    return int(serving.tensor_parallel_size) * int(serving.engine_kwargs.get("pipeline_parallel_size", 1) or 1)
 
 
 def start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:

@@ -757,13 +757,20 @@ def test_a_request_the_local_ray_cannot_grant_is_refused_before_it_waits_for_eve
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["serving.replica_cpus=64"], r"serving\.replica_cpus: asks for 64\.0 CPUs \(1 LLM replica actors of "),
-    (["serving.replica_cpus=1", "serving.autoscaling.min_replicas=3", "serving.autoscaling.max_replicas=3",
-      "cluster.local_num_cpus=2"], r"serving\.replica_cpus: asks for 3\.0 CPUs \(3 LLM replica actors of .* has 2 ")])
+    (["serving.replica_cpus=64"], r"serving\.replica_cpus: asks for 65\.0 CPUs \(1 LLM replicas, each an actor of "
+                                  r"serving\.replica_cpus=64\.0 CPUs beside its vLLM engine's 1\)"),
+    (["serving.autoscaling.min_replicas=3", "serving.autoscaling.max_replicas=3", "cluster.local_num_cpus=2"],
+     r"serving\.replica_cpus: asks for 3\.0 CPUs \(3 LLM replicas, .* has 2 "),
+    # the engine's own bundles: one CPU per tensor-parallel worker
+    (["serving.tensor_parallel_size=2", "cluster.local_num_cpus=1"],
+     r"serving\.replica_cpus: asks for 2\.0 CPUs .* has 1 "),
+    (["serving.tensor_parallel_size=2", "cluster.local_num_cpus=2"], None)])
 def test_a_serve_job_whose_replicas_the_local_ray_cannot_place_is_refused_before_ray_starts(overrides, message,
                                                                                              tmp_path, capsys,
                                                                                              monkeypatch):
-    """Serve waits for ever on a replica no node can take, as Ray Train did on its workers."""
+    """Serve waits for ever on a replica no node can take, as Ray Train did on its workers. Each replica holds its
+    actor's CPUs and its vLLM engine's."""
+    from pipeline.cluster import check_fits_local_ray
     from pipeline.serving.job import run_serve
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -772,6 +779,9 @@ def test_a_serve_job_whose_replicas_the_local_ray_cannot_place_is_refused_before
     started = []
     monkeypatch.setattr("pipeline.cluster.ensure_ray", lambda *args, **kwargs: started.append(args))
     cfg = compose([f"paths.root={tmp_path / 'root'}", "serving.speculative=false", *overrides])
+    if message is None:  # fits: the check lets it through to Ray
+        check_fits_local_ray(cfg, ["serve"])
+        return
     assert run_serve(cfg) == 2
     assert re.match(f"error: {message}", _error_line(capsys)) and not started
     assert not (tmp_path / "root").exists()
