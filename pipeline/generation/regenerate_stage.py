@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from collections import Counter
@@ -90,11 +91,34 @@ def _kept_rows(rows: list[dict], tokenizer: Any, gen_cfg: Any) -> list[dict]:
     return results
 
 
+# A count inside a skip reason (a prompt's tokens, a turn number), not a setting's value (after '='): reasons
+# that differ only in their counts are one kind of skip.
+_COUNT_IN_REASON = re.compile(r"(?<![=\w.])\d+(?![\w.])")
+
+
+def summarize_reasons(reasons: Counter) -> dict[str, int]:
+    """{reason: samples} with reasons that differ only in their counts merged into one line, each count shown as
+    the range it spans: 'prompt of 20035-20410 tokens (turn 1) leaves no room within generation.max_length=8192'
+    once for 300 long prompts, not 300 warnings."""
+    kinds: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
+    totals: Counter = Counter()
+    for reason, count in reasons.items():
+        kind = tuple(_COUNT_IN_REASON.split(reason))
+        kinds.setdefault(kind, []).append(tuple(int(n) for n in _COUNT_IN_REASON.findall(reason)))
+        totals[kind] += count
+    summaries = {}
+    for kind, counts in kinds.items():
+        spans = [f"{low}" if low == high else f"{low}-{high}"
+                 for low, high in zip(map(min, zip(*counts)), map(max, zip(*counts)))]
+        summaries["".join(part + span for part, span in zip(kind, [*spans, ""]))] = totals[kind]
+    return summaries
+
+
 def _report_outcomes(ctx: Context, results: list[dict]) -> list[dict]:
     """Log skips grouped by reason and truncations; return the kept samples."""
     reasons = Counter(r["skip_reason"] for r in results if r["skip_reason"])
-    for reason, count in reasons.items():
-        log.warning("regenerate: skipped %d samples: %s", count, reason)
+    for summary, count in summarize_reasons(reasons).items():
+        log.warning("regenerate: skipped %d samples: %s", count, summary)
     kept = [r for r in results if not r["skip_reason"]]
     truncated = sum(1 for r in kept if r["truncated"])
     if truncated:

@@ -172,3 +172,23 @@ def test_the_capturing_engine_refuses_a_process_whose_vllm_settings_are_already_
         vllm.envs.disable_envs_cache()
     _engine_in_its_own_process()  # nothing cached: it sets the engine apart and goes on
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_skips_that_differ_only_in_their_counts_are_one_warning_with_the_range():
+    """300 prompts too long for generation.max_length were 300 warnings, one per token count."""
+    from collections import Counter
+
+    from pipeline.generation.regenerate_stage import summarize_reasons
+
+    room = "leaves no room within generation.max_length=8192"
+    reasons = Counter({f"prompt of 20035 tokens (turn 1) {room}": 1, f"prompt of 20410 tokens (turn 2) {room}": 2,
+                       f"prompt of 20100 tokens (turn 1) {room}": 1,
+                       "the answer to turn 3 does not fit in generation.max_length=4096": 1,
+                       "the answer to turn 3 does not fit in generation.max_length=8192": 1,
+                       "no assistant turn to train on (generation.responses=keep)": 4})
+    assert summarize_reasons(reasons) == {
+        f"prompt of 20035-20410 tokens (turn 1-2) {room}": 4,
+        # a setting's value is no count: two settings stay two lines
+        "the answer to turn 3 does not fit in generation.max_length=4096": 1,
+        "the answer to turn 3 does not fit in generation.max_length=8192": 1,
+        "no assistant turn to train on (generation.responses=keep)": 4}
