@@ -159,6 +159,11 @@ def validate(cfg: DictConfig) -> None:
     _require("optimizer" not in (cfg.deepspeed.extra or {}),
              "deepspeed.extra.optimizer: the optimizer is training.optimizer's (adamw or muon), handed to DeepSpeed "
              "with its parameter split; remove the block")
+    # K draft tokens after an anchor must fit in a training sample: a K past the longest one trains no token at its
+    # last depths (and K=100000 would only fail on memory when the drafter is built)
+    _require(cfg.drafter.num_speculative_tokens < cfg.generation.max_length,
+             f"drafter.num_speculative_tokens: {cfg.drafter.num_speculative_tokens} must be below "
+             f"generation.max_length={cfg.generation.max_length} (no sample has room to train its last drafts)")
     _require(
         1 <= cfg.evaluation.num_speculative_tokens <= cfg.drafter.num_speculative_tokens,
         "evaluation.num_speculative_tokens: must be between 1 and drafter.num_speculative_tokens",

@@ -130,6 +130,9 @@ OVERRIDES = [
     ("evaluation.vllm.timeout_s=0", "evaluation.vllm.timeout_s: must be >= 1"),
     ("serving.metrics_port=0", "serving.metrics_port: must be a TCP port"),
     ("cluster.local_num_cpus=0", "cluster.local_num_cpus: must be >= 1"),
+    # a K no sample can train: it failed only on memory when the drafter was built
+    ("drafter.num_speculative_tokens=100000", "drafter.num_speculative_tokens: 100000 must be below "
+                                              "generation.max_length="),
     # every number: no NaN, infinity or negative value (a NaN passes every `x <= 0` check)
     ("training.lr=inf", "training.lr: must be a finite number >= 0, got inf"),
     ("data.shuffle_seed=-1", "data.shuffle_seed: must be a finite number >= 0, got -1"),
