@@ -89,14 +89,15 @@ def with_speculator(llm: dict, source: dict) -> tuple[dict, ResolvedSpeculator]:
     from pipeline.tracking import client_for
 
     client = client_for(source.get("tracking_uri"))
-    located = locate(client, source["uri"])
-    check_served_gate(located, bool(source.get("allow_unpromoted")))  # before a refused version is downloaded
-    resolved = fetch(client, located, Path(source["download_dir"]))
-    k = source.get("num_speculative_tokens") or resolved.recommended_k
+    # every check reads the tags and config.json only: a refused speculator's weights are never downloaded
+    located = locate(client, source["uri"], Path(source["download_dir"]))
+    check_served_gate(located, bool(source.get("allow_unpromoted")))
+    k = source.get("num_speculative_tokens") or located.recommended_k
     if not k:
-        raise PipelineError(f"serving.num_speculative_tokens: {resolved.uri} has no evaluated K; set it")
-    check_served_k(resolved, int(k))
-    check_served_verifier(resolved, str(llm["model_loading_config"]["model_source"]), source.get("verifier_name"))
+        raise PipelineError(f"serving.num_speculative_tokens: {located.uri} has no evaluated K; set it")
+    check_served_k(located, int(k))
+    check_served_verifier(located, str(llm["model_loading_config"]["model_source"]), source.get("verifier_name"))
+    resolved = fetch(client, located, Path(source["download_dir"]))
     engine = {**llm["engine_kwargs"], "speculative_config": speculative_config(str(resolved.local_dir), int(k))}
     return {**llm, "engine_kwargs": engine}, resolved
 
@@ -119,7 +120,7 @@ def check_served_gate(located: LocatedSpeculator, allow_unpromoted: bool) -> Non
                         "champion alias), or set serving.allow_unpromoted=true")
 
 
-def check_served_k(resolved: ResolvedSpeculator, k: int) -> None:
+def check_served_k(resolved: LocatedSpeculator, k: int) -> None:
     """Refuse a K past the one a parallel drafter trained for: vLLM runs it, but the slots beyond were never
     trained, so a served K the evaluation never measured would quietly draft noise. A drafter that drafts one step
     at a time (drafts_past_trained_k), or one whose config names no trained K, is not checked. Raises
@@ -135,7 +136,7 @@ def check_served_k(resolved: ResolvedSpeculator, k: int) -> None:
                             "many tokens)")
 
 
-def check_served_verifier(resolved: ResolvedSpeculator, verifier_path: str, verifier_name: Optional[str]) -> None:
+def check_served_verifier(resolved: LocatedSpeculator, verifier_path: str, verifier_name: Optional[str]) -> None:
     """Refuse a speculator trained on another verifier than the one served: vLLM would load it (any drafter of the
     same hidden size runs) and accept almost nothing, or fail deep in its engine. Compares the version's
     `verifier` tag (the export's verifier.name) with verifier_name, then the shapes the speculator's config.json

@@ -27,36 +27,6 @@ MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<vers
 RUN_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-f]+)/(?P<path>.+)$")
 
 
-@dataclass
-class ResolvedSpeculator:
-    uri: str
-    local_dir: Path
-    algorithm: str
-    run_id: Optional[str] = None
-    version: Optional[str] = None
-    tags: dict[str, str] = field(default_factory=dict)
-
-    config: dict[str, Any] = field(default_factory=dict)  # the speculator's config.json
-
-    @property
-    def trained_k(self) -> Optional[int]:
-        return trained_k(self.config)
-
-    @property
-    def recommended_k(self) -> Optional[int]:
-        """The K its evaluation recommends (tag eval.recommended_k, else the evaluated eval.num_speculative_tokens);
-        None where neither is set. Tags can be edited in MLflow: one that is no positive whole number raises
-        PipelineError naming it."""
-        for tag in ("eval.recommended_k", "eval.num_speculative_tokens"):
-            value = self.tags.get(tag)
-            if value:
-                if not (value.strip().isascii() and value.strip().isdecimal()) or int(value) < 1:
-                    raise PipelineError(f"serving.model: {self.uri}'s tag {tag}={value!r} is no K (a whole number "
-                                        ">= 1); set serving.num_speculative_tokens or fix the tag")
-                return int(value)
-        return None
-
-
 URI_FORMS = "models:/<name>@<alias>, models:/<name>/<version> or runs:/<run id>/<path>"
 
 
@@ -117,22 +87,56 @@ def _download(client: Any, run_id: str, path: str, into: Path) -> Path:
     return local
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True)
 class LocatedSpeculator:
-    """Where a speculator URI points, read from the registry or the run before anything is downloaded: enough to
-    judge it (its tags) without fetching its weights."""
+    """Where a speculator URI points and what it is, read before its weights are downloaded: the registry
+    version's (or run's) tags and its config.json, enough for every serving check."""
 
     uri: str
-    run_id: str
-    path: str  # the exported folder inside the run's artifacts
-    folder: str  # its download folder under the download root: one per version or run
+    run_id: Optional[str] = None
+    path: str = ""  # the exported folder inside the run's artifacts
+    folder: str = ""  # its download folder under the download root: one per version or run
     version: Optional[str] = None  # the registry version; None for a runs:/ URI
     tags: dict[str, str] = field(default_factory=dict)  # the version's tags, or the run's
+    config: dict[str, Any] = field(default_factory=dict)  # the speculator's config.json
+
+    @property
+    def algorithm(self) -> str:
+        """The drafter's speculators_model_type (a DRAFTERS key)."""
+        return str(self.config.get("speculators_model_type", ""))
+
+    @property
+    def trained_k(self) -> Optional[int]:
+        return trained_k(self.config)
+
+    @property
+    def recommended_k(self) -> Optional[int]:
+        """The K its evaluation recommends (tag eval.recommended_k, else the evaluated eval.num_speculative_tokens);
+        None where neither is set. Tags can be edited in MLflow: one that is no positive whole number raises
+        PipelineError naming it."""
+        for tag in ("eval.recommended_k", "eval.num_speculative_tokens"):
+            value = self.tags.get(tag)
+            if value:
+                if not (value.strip().isascii() and value.strip().isdecimal()) or int(value) < 1:
+                    raise PipelineError(f"serving.model: {self.uri}'s tag {tag}={value!r} is no K (a whole number "
+                                        ">= 1); set serving.num_speculative_tokens or fix the tag")
+                return int(value)
+        return None
 
 
-def locate(client: Any, uri: str) -> LocatedSpeculator:
-    """The run, artifact folder, version and tags `uri` names. Raises PipelineError naming serving.model for a
-    malformed URI, an unknown name, alias, version or run, or a version whose source names no folder."""
+@dataclass(kw_only=True)
+class ResolvedSpeculator(LocatedSpeculator):
+    """A located speculator downloaded and checked against its integrity record: `local_dir` holds its folder and
+    `config` is the downloaded config.json."""
+
+    local_dir: Path
+
+
+def locate(client: Any, uri: str, download_root: Path) -> LocatedSpeculator:
+    """The run, artifact folder, version, tags and config.json `uri` names. The config is read from a finished
+    download under download_root, else only that file is downloaded, into a temporary folder. Raises PipelineError
+    naming serving.model for a malformed URI, an unknown name, alias, version or run, a version whose source names
+    no folder, or a folder without a speculators config.json."""
     from pipeline.tracking import mlflow_errors_as
 
     check_model_uri(uri)
@@ -146,27 +150,53 @@ def locate(client: Any, uri: str) -> LocatedSpeculator:
             if path in ("", ".", ".."):
                 raise PipelineError(f"serving.model: {uri}'s source {version.source!r} names no artifact folder")
             # The run id in the name: a recreated model, or another tracking server, has other runs behind v<N>.
-            return LocatedSpeculator(uri, run_id, path, f"{name}-v{version.version}-{run_id[:12]}",
-                                     str(version.version), dict(version.tags))
-        assert run is not None  # check_model_uri accepted one of the two forms
-        return LocatedSpeculator(uri, run["run_id"], run["path"], f"run-{run['run_id']}", None,
-                                 dict(client.get_run(run["run_id"]).data.tags))
+            located = LocatedSpeculator(uri=uri, run_id=run_id, path=path,
+                                        folder=f"{name}-v{version.version}-{run_id[:12]}",
+                                        version=str(version.version), tags=dict(version.tags))
+        else:
+            assert run is not None  # check_model_uri accepted one of the two forms
+            located = LocatedSpeculator(uri=uri, run_id=run["run_id"], path=run["path"], folder=f"run-{run['run_id']}",
+                                        tags=dict(client.get_run(run["run_id"]).data.tags))
+        where = f"{located.run_id}/{located.path}"
+        cached = download_root / located.folder / located.path
+        if _usable(cached):  # a finished download: nothing is fetched again
+            located.config = _read_config(cached, where)
+            return located
+        with tempfile.TemporaryDirectory(prefix="speculator-config-") as scratch:  # outside the download root
+            file = client.download_artifacts(located.run_id, f"{located.path}/config.json", scratch)
+            located.config = _read_config(Path(file).parent, where)
+    return located
+
+
+def _read_config(folder: Path, where: str) -> dict[str, Any]:
+    """The speculators config.json in `folder`; PipelineError naming serving.model where there is none, or it is
+    no JSON object naming its speculators_model_type."""
+    file = folder / "config.json"
+    if not file.is_file():
+        raise PipelineError(f"serving.model: {where} holds no speculators config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PipelineError(f"serving.model: {where}/config.json is not JSON ({error})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("speculators_model_type"), str):
+        raise PipelineError(f"serving.model: {where}/config.json names no speculators_model_type")
+    return config
 
 
 def fetch(client: Any, located: LocatedSpeculator, download_root: Path) -> ResolvedSpeculator:
     """Download the located speculator into download_root (once; checked against its integrity record)."""
     from pipeline.tracking import mlflow_errors_as
 
+    assert located.run_id is not None  # locate found its run
     with mlflow_errors_as("serving.model", f"cannot resolve '{located.uri}'"):
         local = _download(client, located.run_id, located.path, download_root / located.folder)
-    config = json.loads((local / "config.json").read_text())
-    return ResolvedSpeculator(uri=located.uri, local_dir=local, algorithm=config["speculators_model_type"],
-                              run_id=located.run_id, version=located.version, tags=located.tags, config=config)
+    config = _read_config(local, f"{located.run_id}/{located.path}")
+    return ResolvedSpeculator(**{**vars(located), "config": config}, local_dir=local)
 
 
 def resolve(client: Any, uri: str, download_root: Path) -> ResolvedSpeculator:
     """Fetch the speculator `uri` names into download_root (a folder per version or run)."""
-    return fetch(client, locate(client, uri), download_root)
+    return fetch(client, locate(client, uri, download_root), download_root)
 
 
 def trained_k(config: dict[str, Any]) -> Optional[int]:

@@ -206,6 +206,26 @@ def test_a_speculator_is_not_served_on_a_verifier_it_was_not_trained_on(tmp_path
         with_speculator(llm, {**source, "verifier_name": "tiny-qwen3"})
 
 
+@pytest.mark.parametrize("tags, source_change, refused", [
+    ({"eval.recommended_k": ""}, {}, r"serving\.num_speculative_tokens: .* has no evaluated K"),
+    ({}, {"num_speculative_tokens": 5}, r"serving\.num_speculative_tokens: 5 exceeds the K=4"),
+    ({}, {"verifier_name": "tiny-qwen3"}, r"serving\.model: .* was trained on verifier"),
+    ({"gate.decision": "refused"}, {}, r"serving\.model: .* is not served: the promotion gate refused it")])
+def test_a_refused_speculator_is_judged_on_its_tags_and_config_and_never_downloaded(tmp_path, tags, source_change,
+                                                                                  refused):
+    """A serve job refused for its K or verifier left the speculator's whole download under paths.root."""
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    register_speculator(tracker, tmp_path, "peagle", {"eval.recommended_k": "3", "verifier": "SmolLM2-135M-Instruct",
+                                                      **tags}, trained_k=4)
+    llm = llm_config(compose([]).serving, "m", "/verifier")
+    source = speculator_source("models:/m@champion", None, str(tmp_path / "downloads"), tracker.uri)
+    with pytest.raises(PipelineError, match=refused):
+        with_speculator(llm, {**source, **source_change, "allow_unpromoted": False})
+    assert not (tmp_path / "downloads").exists()
+    tracker.set_version_tags("m", "1", {"eval.recommended_k": "3", "gate.decision": "promoted"})
+    assert with_speculator(llm, source)[1].local_dir.is_relative_to(tmp_path / "downloads")
+
+
 @pytest.mark.parametrize("decision", ["refused", None])
 def test_a_version_the_gate_did_not_promote_is_served_only_when_allowed(tmp_path, decision, caplog):
     """A version the gate refused (no vLLM cross-check, a speed-up below 1) or never judged was served without a
@@ -446,7 +466,8 @@ def test_a_failed_metrics_scrape_or_mlflow_call_is_a_warning_and_serving_goes_on
     from pipeline.serving import job
     from pipeline.serving.registry import ResolvedSpeculator
 
-    resolved = ResolvedSpeculator(uri="models:/m/1", local_dir=Path("/nowhere"), algorithm="eagle3", run_id="0a")
+    resolved = ResolvedSpeculator(uri="models:/m/1", local_dir=Path("/nowhere"), run_id="0a",
+                                  config={"speculators_model_type": "eagle3"})
     counters = "".join(f'# TYPE ray_vllm_spec_decode_{name}_total counter\n'
                        f'ray_vllm_spec_decode_{name}_total{{model_name="m"}} {value}\n'
                        for name, value in (("num_drafts", 10), ("num_draft_tokens", 40), ("num_accepted_tokens", 12)))
@@ -483,8 +504,10 @@ def test_a_download_is_checked_against_its_integrity_record_and_never_deletes_a_
     real = tracker.client.download_artifacts
 
     def tampered(run, path, dst):
-        real(run, path, dst)
-        (Path(dst) / path / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+        local = real(run, path, dst)
+        if Path(local).is_dir():  # the folder, after its config.json alone was read
+            (Path(local) / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+        return local
 
     monkeypatch.setattr(tracker.client, "download_artifacts", tampered)
     with pytest.raises(PipelineError, match=r"serving.model: .*config.json' has \d+ bytes|does not match the sha256"):
@@ -493,9 +516,11 @@ def test_a_download_is_checked_against_its_integrity_record_and_never_deletes_a_
 
     # Another resolver finishes while this one downloads: its folder, maybe in use, stays; ours is dropped.
     def racing(run, path, dst):
-        real(run, path, dst)
-        monkeypatch.setattr(tracker.client, "download_artifacts", real)
-        resolve(tracker.client, "models:/m@champion", tmp_path / "race")  # the other resolver, to completion
+        local = real(run, path, dst)
+        if Path(local).is_dir():  # the folder, after its config.json alone was read
+            monkeypatch.setattr(tracker.client, "download_artifacts", real)
+            resolve(tracker.client, "models:/m@champion", tmp_path / "race")  # the other resolver, to completion
+        return local
 
     monkeypatch.setattr(tracker.client, "download_artifacts", racing)
     resolved = resolve(tracker.client, "models:/m@champion", tmp_path / "race")
@@ -525,8 +550,10 @@ def test_two_resolvers_that_both_find_the_cache_damaged_never_delete_each_others
     real_download = tracker.client.download_artifacts
 
     def download(run, path, dst):
-        real_download(run, path, dst)
-        armed["after_download"] = threading.current_thread() is threading.main_thread()
+        local = real_download(run, path, dst)
+        # this resolver's folder download (not the config.json it read first)
+        armed["after_download"] = threading.current_thread() is threading.main_thread() and Path(local).is_dir()
+        return local
 
     def usable_then_race(local):
         looked = real_usable(local)
