@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Any, Optional
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, Terminated
 from pipeline.logs import ray_runtime_env
 
 log = logging.getLogger(__name__)
 
 _started_locally = False
+_sigterm_received = False
 
 # Ray waits a fixed 30 s for a new local node to register (ray/_private/node.py); a loaded 2-core machine can miss it.
 LOCAL_START_ATTEMPTS = 3
@@ -32,6 +35,7 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         _connect(address)
+        stop_cleanly_on_sigterm()
         return
     log.info("starting a local Ray")
     # One node that nothing drains: Ray Train's preemption watcher has nothing to watch, and creating it logs a
@@ -41,6 +45,28 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
     start_local(lambda: ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
                                   runtime_env=ray_runtime_env(), **extra))
     _started_locally = True
+    stop_cleanly_on_sigterm()
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """After ray.init: make SIGTERM raise Terminated in the main thread. Ray's driver leaves a fatal-signal handler
+    on SIGTERM that prints a native stack trace and aborts (exit 134), so no stage lock, MLflow run or local Ray
+    was closed and the job printed no line saying what stopped it. Elsewhere than the main thread (where Python
+    runs signal handlers) nothing changes."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    global _sigterm_received
+    _sigterm_received = True
+    raise Terminated()
+
+
+def sigterm_received() -> bool:
+    """Whether SIGTERM reached this job. Inside ray.get, Ray turns the Terminated a signal handler raised into a
+    plain KeyboardInterrupt (or, in Ray Train's fit, SystemExit), so what stopped a job is told by this."""
+    return _sigterm_received
 
 
 def running_local_cluster() -> Optional[str]:

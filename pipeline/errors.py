@@ -1,9 +1,15 @@
-"""The one exception type the jobs turn into a one-line error and a non-zero exit."""
+"""The exception types the jobs turn into a one-line error and a non-zero exit."""
 
 import json
 import re
 from pathlib import Path
 from typing import Any, Sequence
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the job (`ray job stop`, a pod's shutdown, `kill`): raised in the main thread and handled as
+    Ctrl-C is (cluster.stop_cleanly_on_sigterm), so locks, MLflow runs and a local Ray are closed, but reported as
+    what it was."""
 
 
 class PipelineError(Exception):

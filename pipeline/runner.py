@@ -12,11 +12,11 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from pipeline.cluster import check_fits_local_ray, shutdown_if_started_here
+from pipeline.cluster import check_fits_local_ray, shutdown_if_started_here, sigterm_received, stop_cleanly_on_sigterm
 from pipeline.config import validate
 from pipeline.config.schema import PathsConfig
 from pipeline.context import Context
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, Terminated
 from pipeline.locks import stage_lock
 from pipeline.logs import quieted, setup_job_logging
 from pipeline.paths import StagePaths
@@ -165,12 +165,14 @@ def _log_times(ctx: Context, metrics: dict, strict: bool) -> None:
 
 
 INTERRUPTED = 130  # the shell's exit status for a process ended by SIGINT
+TERMINATED = 143  # and by SIGTERM
 
 
 def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int:
     """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input (INTERRUPTED on
-    Ctrl-C, with a line saying so), and the local Ray it started stopped either way. With the job's Hydra `cfg`, a
-    refused job also leaves no run folder (remove_unused_hydra_run_folder)."""
+    Ctrl-C, TERMINATED on SIGTERM once Ray is up, each with a line saying so), and the local Ray it started stopped
+    either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
+    (remove_unused_hydra_run_folder)."""
     try:
         action()
     except PipelineError as error:
@@ -178,13 +180,22 @@ def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int
         if cfg is not None:
             remove_unused_hydra_run_folder(cfg)
         return 2
-    except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C); finished stages and checkpoints are kept, and the same command resumes",
-              file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as interrupt:
+        return _stopped(terminated=isinstance(interrupt, Terminated) or sigterm_received())  # ray.get drops the class
+    except SystemExit:
+        if not sigterm_received():
+            raise
+        return _stopped(terminated=True)  # ray.get's SystemExit after our SIGTERM handler raised in its wait
     finally:
         shutdown_if_started_here()
     return 0
+
+
+def _stopped(terminated: bool) -> int:
+    """Say what stopped the job and return its exit code."""
+    print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; finished stages and "
+          "checkpoints are kept, and the same command resumes", file=sys.stderr)
+    return TERMINATED if terminated else INTERRUPTED
 
 
 def run_hydra_main(main: Callable[[], Any]) -> None:
@@ -204,6 +215,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     _note_absent_root(sys.argv[1:])
+    stop_cleanly_on_sigterm()  # before Ray starts too (ray.init replaces it; ensure_ray puts it back)
     started = time.time()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()

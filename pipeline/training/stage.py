@@ -285,17 +285,19 @@ def _fit(ctx: Context, worker: WorkerConfig):
 def _interrupt_handler_kept() -> Iterator[None]:
     """Put back the process's SIGINT handler after Ray Train's fit: the trainer installs its own and leaves it, so
     Ctrl-C in a later stage only logged "Gracefully aborting the training run", and its third exited 0 from a
-    failed job."""
+    failed job. A SystemExit out of the fit becomes KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread only
         yield
         return
     handler = signal.getsignal(signal.SIGINT)
     try:
         yield
-    except SystemExit as stop:  # Ray Train's handler exits 0 on the third Ctrl-C: an interrupted job is no success
-        if stop.code in (0, None):
-            raise KeyboardInterrupt from stop
-        raise
+    except SystemExit as stop:
+        # Ray ends the driver's wait on the fit with SystemExit only when it was told to stop: its Ctrl-C handler
+        # exits 0 (the third Ctrl-C, or an abort that failed), and once the first Ctrl-C aborted the run, ray.get
+        # raises SystemExit(1). Either is a stopped job, not a success or a crash with no line (run_guarded tells a
+        # SIGTERM from a Ctrl-C).
+        raise KeyboardInterrupt from stop
     finally:
         if handler is not None:  # None: installed outside Python, which getsignal cannot hand back
             signal.signal(signal.SIGINT, handler)

@@ -157,9 +157,9 @@ def test_plain_engine_accumulates_micro_batches_into_one_step():
     assert not torch.equal(accumulated.fc.weight, tiny_drafter().fc.weight)
 
 
-def test_ray_trains_interrupt_handler_is_put_back_and_its_exit_0_is_an_interrupt():
+def test_ray_trains_interrupt_handler_is_put_back_and_its_exits_are_an_interrupt():
     """Ray Train installs a SIGINT handler for its fit and leaves it: Ctrl-C in later stages was swallowed, and its
-    third one exited 0 from a failed job."""
+    third one exited 0 from a failed job; the first one exited 1 with no line."""
     import signal
 
     from pipeline.training.stage import _interrupt_handler_kept
@@ -176,8 +176,8 @@ def test_ray_trains_interrupt_handler_is_put_back_and_its_exit_0_is_an_interrupt
             signal.signal(signal.SIGINT, lambda signum, frame: None)
             raise SystemExit(0)  # the trainer's third Ctrl-C
         assert signal.getsignal(signal.SIGINT) is ours
-        with pytest.raises(SystemExit, match="3"), _interrupt_handler_kept():
-            raise SystemExit(3)  # any other exit passes as it is
+        with pytest.raises(KeyboardInterrupt), _interrupt_handler_kept():
+            raise SystemExit(1)  # ray.get once the first Ctrl-C aborted the run: the job exited 1 with no line
     finally:
         signal.signal(signal.SIGINT, before)
 
@@ -200,3 +200,38 @@ def test_an_interrupted_job_says_so_and_exits_130(capsys):
 
     assert run_guarded(interrupted) == INTERRUPTED == 130
     assert capsys.readouterr().err.startswith("error: interrupted (Ctrl-C); ")
+
+
+def test_sigterm_after_ray_starts_is_a_terminated_job_not_an_abort(capsys, monkeypatch):
+    """Ray's driver left a fatal-signal handler on SIGTERM: a native stack dump and exit 134, no cleanup."""
+    import os
+    import signal
+
+    from pipeline.cluster import stop_cleanly_on_sigterm
+    from pipeline.errors import Terminated
+    from pipeline.runner import TERMINATED, run_guarded
+
+    monkeypatch.setattr("pipeline.cluster._sigterm_received", False)  # the handler sets it: put back after
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_cleanly_on_sigterm()
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)  # lets Python run the handler here
+        assert run_guarded(lambda: os.kill(os.getpid(), signal.SIGTERM)) == TERMINATED == 143
+        assert capsys.readouterr().err.startswith("error: terminated (SIGTERM); finished stages and checkpoints are "
+                                                  "kept, and the same command resumes")
+
+        def ray_get_after_sigterm():  # Ray's get turns the handler's Terminated into a plain KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)
+
+        def plain_interrupt():
+            try:
+                ray_get_after_sigterm()
+            except Terminated:
+                raise KeyboardInterrupt from None
+
+        assert run_guarded(plain_interrupt) == TERMINATED
+    finally:
+        signal.signal(signal.SIGTERM, before)
