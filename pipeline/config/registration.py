@@ -150,6 +150,15 @@ def is_composition_error(error: BaseException) -> bool:
     return bool(frames) and in_hydra(frames[-1])
 
 
+def _override_below_a_value(key: str, overrides: Sequence[str]) -> Optional[str]:
+    """The key of the command's first override that names a field below `key` (`key.<field>=...`), if any."""
+    for override in overrides:
+        name = override.partition("=")[0].lstrip("+~")
+        if name.startswith(f"{key}."):
+            return name
+    return None
+
+
 def config_error_line(error: BaseException, overrides: Sequence[str] = ()) -> str:
     """One line for an error Hydra or OmegaConf raised while composing: the config key it is about, then what is
     wrong (OmegaConf's own message), e.g. "training.max_steps: Value 'abc' of type 'str' could not be converted to
@@ -171,6 +180,9 @@ def config_error_line(error: BaseException, overrides: Sequence[str] = ()) -> st
         group, option = missing.groups()
         return f"{group}: '{option}' is not one of {options}"
     if isinstance(cause, OmegaConfBaseException) and key:
+        below = _override_below_a_value(str(key), overrides)
+        if below and "dict" in first:  # `training.max_steps.x=1`: OmegaConf's own words are about a dict
+            return f"{key}: is a single value, not a group of fields: '{below}' names no option (set {key}=...)"
         choice = re.fullmatch(r"Invalid value '(.*)', expected one of \[(.*)\]", first)  # a schema Enum's choices
         if choice:
             return f"{key}: '{choice[1]}' is not one of [{choice[2]}]"

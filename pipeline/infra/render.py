@@ -49,9 +49,11 @@ def rendered_files(overrides: list[str], experiments=EXPERIMENTS, shapes=CLUSTER
     for override in overrides:
         group = override.partition("=")[0].lstrip("+~")
         if group in PICKED_GROUPS:
+            how = ("choose experiments with --experiment, and override the fields an experiment sets by their own "
+                   "names (e.g. training.max_steps=...)" if group == "experiment"
+                   else "override the shape's fields (cluster.<field>=...)")
             raise PipelineError(f"overrides: '{override}': render_infra renders each experiment on its own cluster "
-                                "shape; choose experiments with --experiment, and override fields "
-                                f"({group}.<field>=...), not the group")
+                                f"shape; {how}, not the group")
     files = {}
     for shape in shapes:
         cfg = compose([f"cluster={shape}", *overrides])

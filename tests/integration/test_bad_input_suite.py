@@ -190,6 +190,14 @@ def test_a_bad_override_exits_2_before_the_first_stage(override, message, tmp_pa
     ("serving.dtype=fp33", "serving.dtype: 'fp33' is not one of [auto, float32, bfloat16, float16]"),
     ("serving.accelerator=tpu", "serving.accelerator: 'tpu' is not one of [cpu, gpu]"),
     ("training.select_best_by=val.loss", "training.select_best_by: 'val.loss' is not one of [val.proxy_tau, val.tau]"),
+    # a field below a single value: OmegaConf spoke of converting a dict ("experiment: Cannot convert 'dict' to
+    # string"), which render_infra's own advice led to
+    ("experiment.foo=1", "experiment: is a single value, not a group of fields: 'experiment.foo' names no option "
+                         "(set experiment=...)"),
+    ("training.max_steps.every=1", "training.max_steps: is a single value, not a group of fields: "
+                                   "'training.max_steps.every' names no option (set training.max_steps=...)"),
+    ("+paths.root.x=1", "paths.root: is a single value, not a group of fields: 'paths.root.x' names no option "
+                        "(set paths.root=...)"),
 ])
 def test_a_value_outside_a_settings_choices_is_refused_when_the_config_is_composed(override, message, tmp_path):
     """The schema types these choices (Enums): the config never composes, so no stage can start."""

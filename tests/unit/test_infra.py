@@ -122,8 +122,12 @@ def test_a_job_whose_driver_no_pod_can_take_is_a_problem():
 @pytest.mark.parametrize("override", ["experiment=smoke", "cluster=local", "+cluster=a100_1x", "~experiment"])
 def test_render_infra_refuses_an_override_of_the_groups_it_picks_per_file(override):
     """experiment=smoke rendered rayjob-qwen3_8b_peagle.yaml running smoke on a cluster with no GPU pod."""
-    with pytest.raises(PipelineError, match=rf"^overrides: '{re.escape(override)}': render_infra renders each "):
+    refused_line = rf"^overrides: '{re.escape(override)}': render_infra renders each "
+    with pytest.raises(PipelineError, match=refused_line) as refused:
         rendered_files([override], ("qwen3_8b_peagle",), ())
+    # the form it suggests works: `experiment` is a label, it has no fields (experiment.<field>= was suggested)
+    suggested = "training.max_steps=" if "experiment" in override else "cluster.<field>="
+    assert suggested in str(refused.value) and "experiment.<field>" not in str(refused.value)
     assert rendered_files(["cluster.kubernetes.namespace=team"], ("qwen3_8b_peagle",), ())  # a field is fine
 
 
