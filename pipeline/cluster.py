@@ -49,10 +49,10 @@ def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> N
 
 
 def stop_cleanly_on_sigterm() -> None:
-    """After ray.init: make SIGTERM raise Terminated in the main thread. Ray's driver leaves a fatal-signal handler
-    on SIGTERM that prints a native stack trace and aborts (exit 134), so no stage lock, MLflow run or local Ray
-    was closed and the job printed no line saying what stopped it. Elsewhere than the main thread (where Python
-    runs signal handlers) nothing changes."""
+    """Make SIGTERM raise Terminated in the main thread: at a job's start, and again after ray.init, whose driver
+    leaves a fatal-signal handler on SIGTERM that prints a native stack trace and aborts (exit 134), so no stage
+    lock, MLflow run or local Ray was closed and the job printed no line saying what stopped it. Elsewhere than
+    the main thread (where Python runs signal handlers) nothing changes."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_terminated)
 

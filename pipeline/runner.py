@@ -170,8 +170,8 @@ TERMINATED = 143  # and by SIGTERM
 
 def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int:
     """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input (INTERRUPTED on
-    Ctrl-C, TERMINATED on SIGTERM once Ray is up, each with a line saying so), and the local Ray it started stopped
-    either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
+    Ctrl-C, TERMINATED on SIGTERM where stop_cleanly_on_sigterm ran, each with a line saying so), and the local Ray
+    it started stopped either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
     (remove_unused_hydra_run_folder)."""
     try:
         action()
