@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -75,6 +76,15 @@ def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champ
                           f"(version {champion['version']}); vLLM gap {tau_gap:.1%}")
 
 
+def _promoted_since(tags: dict, since: float) -> bool:
+    """Whether a version's gate.promoted_at tag (epoch seconds) is at or after `since`; one without the tag (or
+    with an edited one) was promoted before the tag existed, long before."""
+    try:
+        return float(tags["gate.promoted_at"]) >= since
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def tag_tau(tags: dict) -> Optional[float]:
     """A registered version's pooled tau from its eval.pooled_tau tag; None when the tag is missing or is not a
     finite number (tags can be edited in MLflow's UI)."""
@@ -85,9 +95,17 @@ def tag_tau(tags: dict) -> Optional[float]:
     return tau if math.isfinite(tau) else None
 
 
+# How long before a promoter read the champion another promoter's promotion still counts as concurrent with it
+# (tag, alias and settle take well under a second; the rest is clock skew between the nodes that promote). A
+# version promoted earlier that does not hold the alias lost it (superseded, or removed by an operator) and is
+# never put back.
+CONCURRENT_PROMOTION_S = 60.0
+
+
 def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: dict, gate_cfg: Any) -> Decision:
     """Decide for `version` of `name`, record the decision on the version, move the alias when it passes.
     The version that already holds the alias (a rerun that reused its registration) keeps it and its tags."""
+    read_at = time.time()
     champion = tracker.alias_tags(name, gate_cfg.alias)
     if champion is not None and champion["version"] == str(version):
         decision = Decision(True, f"version {version} already holds {gate_cfg.alias}")
@@ -98,25 +116,37 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
                       vllm_result.get("skipped", "the vllm_eval stage did not run"),
                       divergence_doubt(vllm_result) if tau_gap is not None else None)
     tags = {"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason}
+    if decision.promote:
+        tags["gate.promoted_at"] = f"{time.time():.3f}"
     if tau_gap is not None:
         tags.update({"vllm.tau": f"{vllm_result['tau']:.4f}", "vllm.tau_gap": f"{tau_gap:.4f}"})
     tracker.set_version_tags(name, version, tags)  # before the alias moves: a concurrent promoter's settle sees it
-    if decision.promote:
-        tracker.set_alias(name, gate_cfg.alias, version)
-        settle_alias(tracker, name, gate_cfg.alias, report["signature"])
-    log.info("promote: %s version %s %s as %s: %s", name, version, "promoted" if decision.promote else "NOT promoted",
-             gate_cfg.alias, decision.reason)
+    if not decision.promote:
+        log.info("promote: %s version %s NOT promoted as %s: %s", name, version, gate_cfg.alias, decision.reason)
+        return decision
+    tracker.set_alias(name, gate_cfg.alias, version)
+    holder = settle_alias(tracker, name, gate_cfg.alias, report["signature"], champion and champion["version"],
+                          read_at - CONCURRENT_PROMOTION_S)
+    if holder == str(version):
+        log.info("promote: %s version %s promoted as %s: %s", name, version, gate_cfg.alias, decision.reason)
+    else:
+        log.info("promote: %s version %s passed the gate (%s), but version %s, promoted at the same time with a "
+                 "higher tau, holds %s", name, version, decision.reason, holder, gate_cfg.alias)
     return decision
 
 
-def settle_alias(tracker: Any, name: str, alias: str, signature: str, max_rounds: int = 10) -> str:
+def settle_alias(tracker: Any, name: str, alias: str, signature: str, seen: Optional[str], since: float,
+                 max_rounds: int = 10) -> str:
     """After a promotion, point `alias` at the best promoted version of this evaluation, re-reading until a read
     after this promoter's last write shows it there. MLflow has no compare-and-set: two promoters that read the same
     champion both move the alias, and the later write could leave the worse one. Each writes its decision tag
-    before its alias, so the last promoter to settle sees every promoted version and leaves the best. Ties keep the
-    older version (a promotion needs a strictly higher tau). Returns the version the alias ends at."""
+    before its alias, so the last promoter to settle sees every promoted version and leaves the best. The versions
+    it weighs are the champion this promoter read (`seen`) and those promoted since `since` (epoch seconds): one
+    an operator took the alias from stays out. Ties keep the older version (a promotion needs a strictly higher
+    tau). Returns the version the alias ends at."""
     for _ in range(max_rounds):
-        promoted = tracker.versions_tagged(name, {"gate.decision": "promoted", "eval.signature": signature})
+        promoted = [v for v in tracker.versions_tagged(name, {"gate.decision": "promoted", "eval.signature": signature})
+                    if v["version"] == seen or _promoted_since(v, since)]
         taus = {v["version"]: tau for v in promoted if (tau := tag_tau(v)) is not None}  # an edited tag cannot win
         if not taus:
             raise PipelineError(f"registry: no promoted version of '{name}' has an eval.pooled_tau tag that is a "

@@ -169,6 +169,25 @@ def test_concurrent_promotions_end_with_the_better_version(registry, monkeypatch
     assert tracker.client.get_model_version("m", worse).tags["gate.decision"] == "promoted"
 
 
+def test_a_champion_an_operator_took_the_alias_from_is_never_put_back(registry, caplog):
+    """An operator removed `champion` from a version; the next promotion's settle moved it back there, and the log
+    named the new version as champion."""
+    import time
+
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    tracker.set_version_tags("m", first, {"gate.promoted_at": f"{time.time() - 3600:.3f}"})  # an hour ago
+    tracker.client.delete_registered_model_alias("m", "champion")  # taken out of service
+    with caplog.at_level("INFO", logger="pipeline.evaluation.gate"):
+        second, decision = register(1.20, 0.01)  # worse, but there is no champion to beat
+    assert decision.promote and champion(tracker) == second
+    assert f"version {second} promoted as champion: first champion" in caplog.text
+    # an operator's rollback (the alias moved to an older, worse version) is not undone either
+    tracker.set_alias("m", "champion", first)
+    third, decision = register(1.60, 0.01)
+    assert decision.promote and champion(tracker) == third
+
+
 @pytest.mark.parametrize("vllm_result, refused_for", [
     ({"tau": 1.5, "tau_gap": 0.0, "num_requests": 6, "requests_matching_reference": 5,
       "divergences": [{"near_tie": False}], "divergence_fault": "1 of vLLM's greedy outputs leave the reference's"},
