@@ -175,7 +175,7 @@ def validate(cfg: DictConfig) -> None:
     _require(len(cfg.stages) >= 1, f"stages: name at least one stage of {schema_module.STAGE_NAMES}")
     for stage in cfg.stages:
         _require(stage in schema_module.STAGE_NAMES,
-                 f"stages: unknown stage '{stage}'; known: {schema_module.STAGE_NAMES}")
+                 f"stages: unknown stage '{stage}'; known: {', '.join(schema_module.STAGE_NAMES)}")
     # each stage reads what the ones before it in this order make: [train, prompts] failed in train after the store
     order = [schema_module.STAGE_NAMES.index(stage) for stage in cfg.stages]
     _require(order == sorted(set(order)), f"stages: {list(cfg.stages)} must name each stage once, in the order "
@@ -234,8 +234,9 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
              "evaluation.profile_max_new_tokens: must be >= 1, or null for evaluation.max_new_tokens")
     _require(len(evaluation.datasets) >= 1, "evaluation.datasets: name at least one eval set (held_out)")
     for name in evaluation.datasets:
+        known = ", ".join(["held_out", *sorted(evaluation.sets)])
         _require(name == "held_out" or name in evaluation.sets,
-                 f"evaluation.datasets: unknown eval set '{name}'; known: held_out, {sorted(evaluation.sets)}")
+                 f"evaluation.datasets: unknown eval set '{name}'; known: {known}")
         if name != "held_out":
             from pipeline.evaluation.eval_sets import set_config
 

@@ -73,7 +73,7 @@ def read_named_set(name: str, eval_cfg: Any, writer=None):
         message = str(error)
         field = f"evaluation.sets.{name}"
         raise PipelineError(f"{field}.{message[len('data.'):]}" if message.startswith("data.")
-                            else f"{field}: {message}") from error
+                            else f"{field}: {message.removeprefix('data: ')}") from error
     except Exception as error:  # the hub raises connection errors of many types when offline
         raise PipelineError(f"evaluation.sets.{name}: cannot load {definition.path or name} "
                             f"({type(error).__name__}: {first_line(error)[:200]})") from error

@@ -111,7 +111,8 @@ OVERRIDES = [
     ("serving.model='runs:/0a1b/../..'", "serving.model: 'runs:/0a1b/../..': the path after the run id"),
     ("serving.model=runs:/0a1b//etc", "serving.model: 'runs:/0a1b//etc': the path after the run id"),
     ("serving.model=models:/m/latest", "serving.model: 'models:/m/latest' is not"),
-    ("stages=[prompts,nope]", "stages: unknown stage 'nope'"),
+    ("stages=[prompts,nope]", "stages: unknown stage 'nope'; known: prompts, regenerate, capture, train, "),
+    ("evaluation.datasets=[held_out,nope]", "evaluation.datasets: unknown eval set 'nope'; known: held_out, chat, "),
     ("stages=[train,prompts]", "stages: ['train', 'prompts'] must name each stage once, in the order ['prompts', "),
     ("stages=[prompts,prompts]", "stages: ['prompts', 'prompts'] must name each stage once"),
     ("+training.no_such_option=3", "training.no_such_option: unknown config key"),
@@ -730,19 +731,25 @@ def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, t
                                                          r"has only 1 conversations"),
     ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{empty}'}}"],
      r"evaluation\.sets\.mine\.path: the prompt file '.*empty\.jsonl' is empty"),
+    ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{unusable}'}}"],
+     # not "evaluation.sets.mine: data: no usable ..."
+     r"evaluation\.sets\.mine: no usable conversation in 'jsonl' .*unusable\.jsonl.*"),
 ], ids=["prompt file", "prompt folder", "eval set file", "resume_from", "no checkpoint", "no store", "no answers",
-        "nothing to cross-check", "empty prompt file", "malformed line", "too few prompts", "empty eval set file"])
+        "nothing to cross-check", "empty prompt file", "malformed line", "too few prompts", "empty eval set file",
+        "unusable eval set file"])
 def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, message, tmp_path, tiny_verifier_path,
                                                                    prompts_jsonl, capsys):
     """Each was refused only inside its stage: after MLflow's store, the stage locks, the prompts the evaluate job
     wrote first and (in a whole pipeline) regeneration, capture and training."""
     root = tmp_path / "out"
     names = {"missing": tmp_path / "missing.jsonl", "folder": tmp_path / "folder", "empty": tmp_path / "empty.jsonl",
-             "broken": tmp_path / "broken.jsonl", "one": tmp_path / "one.jsonl"}
+             "broken": tmp_path / "broken.jsonl", "one": tmp_path / "one.jsonl",
+             "unusable": tmp_path / "unusable.jsonl"}
     names["folder"].mkdir()
     names["empty"].write_text("\n\n")
     names["broken"].write_text('{"prompt": "fine"}\n{"prompt": \n')
     names["one"].write_text('{"prompt": "only one"}\n')
+    names["unusable"].write_text('{"text": "no prompt field"}\n')
     cfg = compose(tiny_overrides(root, tiny_verifier_path, prompts_jsonl) + [e.format(**names) for e in extra])
     assert run_job(cfg, job) == 2
     assert re.fullmatch(f"error: {message}", _error_line(capsys))
