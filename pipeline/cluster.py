@@ -151,7 +151,9 @@ def serving_engine_cpus(serving: Any) -> int:
     bundles, merged with the replica actor's); on GPU its bundles ask for GPUs only."""
     if str(serving.accelerator) != "cpu":
         return 0
-    return int(serving.tensor_parallel_size) * int(serving.engine_kwargs.get("pipeline_parallel_size", 1) or 1)
+    engine = serving.engine_kwargs  # wins over serving.tensor_parallel_size in the engine's config (llm_config)
+    return (int(engine.get("tensor_parallel_size", serving.tensor_parallel_size) or 1)
+            * int(engine.get("pipeline_parallel_size", 1) or 1))
 
 
 def start_local(init: Any, attempts: int = LOCAL_START_ATTEMPTS) -> None:

@@ -229,6 +229,8 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         print(f"error: {config_error_line(error, sys.argv[1:])}", file=sys.stderr)
         _remove_records_of_sweeps_that_ran_nothing(sys.argv[1:], started)
         sys.exit(2)
+    except KeyboardInterrupt as interrupt:  # before run_guarded's try (Hydra composing) or in its cleanup
+        sys.exit(_stopped(terminated=isinstance(interrupt, Terminated) or sigterm_received()))
     except OSError as error:
         if not _raised_making_hydras_run_folder(error):
             raise

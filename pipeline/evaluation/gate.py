@@ -85,6 +85,11 @@ def _promoted_since(tags: dict, since: float) -> bool:
         return False
 
 
+def tau_tag(tau: float) -> str:
+    """A pooled tau as a version's eval.pooled_tau tag records it (the export stage writes it)."""
+    return f"{tau:.4f}"
+
+
 def tag_tau(tags: dict) -> Optional[float]:
     """A registered version's pooled tau from its eval.pooled_tau tag; None when the tag is missing or is not a
     finite number (tags can be edited in MLflow's UI)."""
@@ -96,9 +101,9 @@ def tag_tau(tags: dict) -> Optional[float]:
 
 
 # How long before a promoter read the champion another promoter's promotion still counts as concurrent with it
-# (tag, alias and settle take well under a second; the rest is clock skew between the nodes that promote). A
-# version promoted earlier that does not hold the alias lost it (superseded, or removed by an operator) and is
-# never put back.
+# (tag, alias and settle take well under a second; the rest is clock skew between the nodes that promote, which
+# must stay below it). A version promoted earlier that does not hold the alias lost it (superseded, or removed by
+# an operator) and is not put back.
 CONCURRENT_PROMOTION_S = 60.0
 
 
@@ -112,7 +117,9 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
         log.info("promote: %s %s", name, decision.reason)
         return decision
     tau_gap = vllm_result.get("tau_gap")
-    decision = decide(report["pooled_tau"], tau_gap, report["signature"], champion, gate_cfg,
+    # the tau as its tag records it: settle_alias compares tags, and a gain below the tag's precision would win
+    # the gate and tie there
+    decision = decide(float(tau_tag(report["pooled_tau"])), tau_gap, report["signature"], champion, gate_cfg,
                       vllm_result.get("skipped", "the vllm_eval stage did not run"),
                       divergence_doubt(vllm_result) if tau_gap is not None else None)
     tags = {"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason}
@@ -131,7 +138,7 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
         log.info("promote: %s version %s promoted as %s: %s", name, version, gate_cfg.alias, decision.reason)
     else:
         log.info("promote: %s version %s passed the gate (%s), but version %s, promoted at the same time with a "
-                 "higher tau, holds %s", name, version, decision.reason, holder, gate_cfg.alias)
+                 "tau at least as high, holds %s", name, version, decision.reason, holder, gate_cfg.alias)
     return decision
 
 

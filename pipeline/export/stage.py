@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from pipeline.checkpoint import load_checkpoint
 from pipeline.context import Context
+from pipeline.evaluation.gate import tau_tag
 from pipeline.export.model_card import CARD_FILE, model_card
 from pipeline.export.speculators_format import export_digest, export_speculators
 from pipeline.fsutil import atomic_write_text
@@ -29,7 +30,7 @@ def _version_tags(ctx: Context, config: dict, report: dict | None, lineage: dict
     tags = {**{k: str(v) for k, v in lineage.items()},
             "algorithm": config["speculators_model_type"], "verifier": ctx.cfg.verifier.name}
     if report:
-        tags["eval.pooled_tau"] = f"{report['pooled_tau']:.4f}"
+        tags["eval.pooled_tau"] = tau_tag(report["pooled_tau"])
         tags["eval.num_speculative_tokens"] = str(report["num_speculative_tokens"])  # eval.signature: identity
         if report.get("profile"):
             tags["eval.recommended_k"] = str(report["profile"]["recommended_k"])

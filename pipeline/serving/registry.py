@@ -155,13 +155,17 @@ def locate(client: Any, uri: str, download_root: Path) -> LocatedSpeculator:
                                         version=str(version.version), tags=dict(version.tags))
         else:
             assert run is not None  # check_model_uri accepted one of the two forms
-            located = LocatedSpeculator(uri=uri, run_id=run["run_id"], path=run["path"], folder=f"run-{run['run_id']}",
+            located = LocatedSpeculator(uri=uri, run_id=run["run_id"], path=run["path"].rstrip("/"),
+                                        folder=f"run-{run['run_id']}",
                                         tags=dict(client.get_run(run["run_id"]).data.tags))
         where = f"{located.run_id}/{located.path}"
         cached = download_root / located.folder / located.path
         if _usable(cached):  # a finished download: nothing is fetched again
             located.config = _read_config(cached, where)
             return located
+        listed = {Path(entry.path).name for entry in client.list_artifacts(located.run_id, located.path)}
+        if "config.json" not in listed:  # else MLflow's own download error, which names no file
+            raise PipelineError(f"serving.model: {where} holds no speculators config.json")
         with tempfile.TemporaryDirectory(prefix="speculator-config-") as scratch:  # outside the download root
             file = client.download_artifacts(located.run_id, f"{located.path}/config.json", scratch)
             located.config = _read_config(Path(file).parent, where)

@@ -285,7 +285,7 @@ def _fit(ctx: Context, worker: WorkerConfig):
 def _interrupt_handler_kept() -> Iterator[None]:
     """Put back the process's SIGINT handler after Ray Train's fit: the trainer installs its own and leaves it, so
     Ctrl-C in a later stage only logged "Gracefully aborting the training run", and its third exited 0 from a
-    failed job. A SystemExit out of the fit becomes KeyboardInterrupt."""
+    failed job. Ray's SystemExit(0 or 1) out of the fit becomes KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread only
         yield
         return
@@ -293,11 +293,13 @@ def _interrupt_handler_kept() -> Iterator[None]:
     try:
         yield
     except SystemExit as stop:
-        # Ray ends the driver's wait on the fit with SystemExit only when it was told to stop: its Ctrl-C handler
-        # exits 0 (the third Ctrl-C, or an abort that failed), and once the first Ctrl-C aborted the run, ray.get
-        # raises SystemExit(1). Either is a stopped job, not a success or a crash with no line (run_guarded tells a
-        # SIGTERM from a Ctrl-C).
-        raise KeyboardInterrupt from stop
+        # How Ray ends the driver's wait on a stopped fit: its Ctrl-C handler exits 0 (the third Ctrl-C, or an
+        # abort that failed), and once the first Ctrl-C aborted the run, ray.get raises SystemExit(1). Either is a
+        # stopped job, not a success or a crash with no line (run_guarded tells a SIGTERM from a Ctrl-C); any other
+        # exit passes as it is.
+        if stop.code in (0, 1, None):
+            raise KeyboardInterrupt from stop
+        raise
     finally:
         if handler is not None:  # None: installed outside Python, which getsignal cannot hand back
             signal.signal(signal.SIGINT, handler)

@@ -782,7 +782,10 @@ def test_a_request_the_local_ray_cannot_grant_is_refused_before_it_waits_for_eve
     # the engine's own bundles: one CPU per tensor-parallel worker
     (["serving.tensor_parallel_size=2", "cluster.local_num_cpus=1"],
      r"serving\.replica_cpus: asks for 2\.0 CPUs .* has 1 "),
-    (["serving.tensor_parallel_size=2", "cluster.local_num_cpus=2"], None)])
+    (["serving.tensor_parallel_size=2", "cluster.local_num_cpus=2"], None),
+    # the engine's own option wins over serving.tensor_parallel_size (llm_config), and so in the count
+    (["+serving.engine_kwargs.tensor_parallel_size=4", "cluster.local_num_cpus=2"],
+     r"serving\.replica_cpus: asks for 4\.0 CPUs ")])
 def test_a_serve_job_whose_replicas_the_local_ray_cannot_place_is_refused_before_ray_starts(overrides, message,
                                                                                              tmp_path, capsys,
                                                                                              monkeypatch):

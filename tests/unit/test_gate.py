@@ -182,10 +182,20 @@ def test_a_champion_an_operator_took_the_alias_from_is_never_put_back(registry, 
         second, decision = register(1.20, 0.01)  # worse, but there is no champion to beat
     assert decision.promote and champion(tracker) == second
     assert f"version {second} promoted as champion: first champion" in caplog.text
-    # an operator's rollback (the alias moved to an older, worse version) is not undone either
-    tracker.set_alias("m", "champion", first)
+    # an operator's rollback (the alias moved from a better version back to an older one) is not undone either
+    better, _ = register(1.80, 0.01)
+    tracker.set_version_tags("m", better, {"gate.promoted_at": f"{time.time() - 600:.3f}"})  # ten minutes ago
+    tracker.set_alias("m", "champion", second)
     third, decision = register(1.60, 0.01)
-    assert decision.promote and champion(tracker) == third
+    assert decision.promote and champion(tracker) == third  # not `better`, which the operator took it from
+
+
+def test_a_gain_below_the_tau_tags_precision_does_not_promote(registry):
+    """The gate compared the unrounded tau with the champion's 4-decimal tag, and settle then saw a tie."""
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    _, decision = register(1.50004, 0.01)
+    assert not decision.promote and "does not beat" in decision.reason and champion(tracker) == first
 
 
 @pytest.mark.parametrize("vllm_result, refused_for", [

@@ -226,6 +226,22 @@ def test_a_refused_speculator_is_judged_on_its_tags_and_config_and_never_downloa
     assert with_speculator(llm, source)[1].local_dir.is_relative_to(tmp_path / "downloads")
 
 
+def test_a_run_folder_is_named_with_or_without_a_trailing_slash_and_one_without_config_json_is_named(tmp_path):
+    tracker = Tracker(compose([f"paths.root={tmp_path}"]))
+    version = register_speculator(tracker, tmp_path, "peagle", {})
+    run_id = tracker.client.get_model_version("m", version).run_id
+    assert resolve(tracker.client, f"runs:/{run_id}/speculator/", tmp_path / "d").algorithm == "peagle"
+    elsewhere = tmp_path / "notes"
+    elsewhere.mkdir()
+    (elsewhere / "README.md").write_text("no speculator here")
+    with tracker.parent_run("evaluate") as other:
+        tracker.log_artifact(elsewhere, "notes")
+    for path in ("notes", "nothing"):
+        with pytest.raises(PipelineError, match=rf"^serving\.model: {other}/{path} holds no speculators config\.json$"):
+            resolve(tracker.client, f"runs:/{other}/{path}", tmp_path / "d2")
+    assert not (tmp_path / "d2").exists()
+
+
 @pytest.mark.parametrize("decision", ["refused", None])
 def test_a_version_the_gate_did_not_promote_is_served_only_when_allowed(tmp_path, decision, caplog):
     """A version the gate refused (no vLLM cross-check, a speed-up below 1) or never judged was served without a

@@ -178,6 +178,8 @@ def test_ray_trains_interrupt_handler_is_put_back_and_its_exits_are_an_interrupt
         assert signal.getsignal(signal.SIGINT) is ours
         with pytest.raises(KeyboardInterrupt), _interrupt_handler_kept():
             raise SystemExit(1)  # ray.get once the first Ctrl-C aborted the run: the job exited 1 with no line
+        with pytest.raises(SystemExit, match="3"), _interrupt_handler_kept():
+            raise SystemExit(3)  # any other exit passes as it is
     finally:
         signal.signal(signal.SIGINT, before)
 
