@@ -16,7 +16,7 @@ from pipeline.cluster import check_fits_local_ray, shutdown_if_started_here, sig
 from pipeline.config import validate
 from pipeline.config.schema import PathsConfig
 from pipeline.context import Context
-from pipeline.errors import PipelineError, Terminated
+from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
 from pipeline.logs import quieted, setup_job_logging
 from pipeline.paths import StagePaths
@@ -180,19 +180,21 @@ def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int
         if cfg is not None:
             remove_unused_hydra_run_folder(cfg)
         return 2
-    except KeyboardInterrupt as interrupt:
-        return _stopped(terminated=isinstance(interrupt, Terminated) or sigterm_received())  # ray.get drops the class
+    except KeyboardInterrupt:
+        return _stopped()
     except SystemExit:
         if not sigterm_received():
             raise
-        return _stopped(terminated=True)  # ray.get's SystemExit after our SIGTERM handler raised in its wait
+        return _stopped()  # ray.get's SystemExit after our SIGTERM handler raised in its wait
     finally:
         shutdown_if_started_here()
     return 0
 
 
-def _stopped(terminated: bool) -> int:
-    """Say what stopped the job and return its exit code."""
+def _stopped() -> int:
+    """Say what stopped the job and return its exit code. Told by the SIGTERM handler's flag, not the exception's
+    class: ray.get turns the handler's Terminated into a plain KeyboardInterrupt (or SystemExit)."""
+    terminated = sigterm_received()
     print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; finished stages and "
           "checkpoints are kept, and the same command resumes", file=sys.stderr)
     return TERMINATED if terminated else INTERRUPTED
@@ -229,8 +231,8 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         print(f"error: {config_error_line(error, sys.argv[1:])}", file=sys.stderr)
         _remove_records_of_sweeps_that_ran_nothing(sys.argv[1:], started)
         sys.exit(2)
-    except KeyboardInterrupt as interrupt:  # before run_guarded's try (Hydra composing) or in its cleanup
-        sys.exit(_stopped(terminated=isinstance(interrupt, Terminated) or sigterm_received()))
+    except KeyboardInterrupt:  # before run_guarded's try (Hydra composing) or in its cleanup
+        sys.exit(_stopped())
     except OSError as error:
         if not _raised_making_hydras_run_folder(error):
             raise

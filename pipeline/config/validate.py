@@ -248,8 +248,9 @@ def _validate_evaluation(evaluation: DictConfig) -> None:
              "evaluation.vllm.enabled: must be auto, true or false")
     _require_fraction(evaluation.vllm.memory_fraction, "evaluation.vllm.memory_fraction")
     _require(evaluation.vllm.max_model_len >= 1, "evaluation.vllm.max_model_len: must be >= 1")
-    vllm_off = str(evaluation.vllm.enabled).lower() == "false"
-    _require(vllm_off or evaluation.vllm.max_model_len > evaluation.max_new_tokens,
+    from pipeline.evaluation.vllm_check import cross_check_off
+
+    _require(cross_check_off(evaluation.vllm) or evaluation.vllm.max_model_len > evaluation.max_new_tokens,
              f"evaluation.vllm.max_model_len: must exceed evaluation.max_new_tokens={evaluation.max_new_tokens} "
              "(each eval prompt and its decode fit in it), unless evaluation.vllm.enabled=false")
     _require(evaluation.vllm.kv_cache_gb is None or evaluation.vllm.kv_cache_gb > 0,

@@ -20,6 +20,7 @@ from pipeline.evaluation.measured_drafter import decoding_drafter
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, greedy_mismatches
 from pipeline.evaluation.report import ReportFigures, write_report
+from pipeline.evaluation.vllm_check import cross_check_off
 from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import folder_digest
 from pipeline.logs import progress_bar
@@ -93,7 +94,7 @@ def prompt_token_limit(verifier_config, eval_cfg) -> int:
     decoder and vLLM measure the same prompts."""
     text_config = verifier_config.get_text_config(decoder=True)
     contexts = [getattr(text_config, "max_position_embeddings", None)]
-    if str(eval_cfg.vllm.enabled).lower() != "false":
+    if not cross_check_off(eval_cfg.vllm):
         contexts.append(eval_cfg.vllm.max_model_len)
     known = [context for context in contexts if context]
     decode = max(eval_cfg.max_new_tokens, eval_cfg.profile_max_new_tokens or 0)

@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 RESULT_FILE = "vllm.json"
 
 
+def cross_check_off(vllm_cfg: Any) -> bool:
+    """Whether evaluation.vllm.enabled turns the vLLM cross-check off (auto and true run it where it can)."""
+    return str(vllm_cfg.enabled).lower() == "false"
+
+
 def skip_reason(enabled: str, algorithm: str, on_gpu: bool, verifier_model_type: str = "llama") -> Optional[str]:
     """Why the cross-check cannot run here (None: it runs). `enabled: true` turns a reason into an error.
     verifier_model_type: the verifier config's model_type; vLLM serves no drafter for some families

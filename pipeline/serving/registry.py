@@ -99,6 +99,7 @@ class LocatedSpeculator:
     version: Optional[str] = None  # the registry version; None for a runs:/ URI
     tags: dict[str, str] = field(default_factory=dict)  # the version's tags, or the run's
     config: dict[str, Any] = field(default_factory=dict)  # the speculator's config.json
+    cached: Optional[Path] = None  # its finished download, checked against its integrity record by locate
 
     @property
     def algorithm(self) -> str:
@@ -161,7 +162,7 @@ def locate(client: Any, uri: str, download_root: Path) -> LocatedSpeculator:
         where = f"{located.run_id}/{located.path}"
         cached = download_root / located.folder / located.path
         if _usable(cached):  # a finished download: nothing is fetched again
-            located.config = _read_config(cached, where)
+            located.config, located.cached = _read_config(cached, where), cached
             return located
         listed = {Path(entry.path).name for entry in client.list_artifacts(located.run_id, located.path)}
         if "config.json" not in listed:  # else MLflow's own download error, which names no file
@@ -188,10 +189,13 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
 
 
 def fetch(client: Any, located: LocatedSpeculator, download_root: Path) -> ResolvedSpeculator:
-    """Download the located speculator into download_root (once; checked against its integrity record)."""
+    """Download the located speculator into download_root (once; checked against its integrity record); one
+    locate found finished there is used as it is."""
     from pipeline.tracking import mlflow_errors_as
 
     assert located.run_id is not None  # locate found its run
+    if located.cached is not None:  # checked by locate a moment ago: not hashed again
+        return ResolvedSpeculator(**vars(located), local_dir=located.cached)
     with mlflow_errors_as("serving.model", f"cannot resolve '{located.uri}'"):
         local = _download(client, located.run_id, located.path, download_root / located.folder)
     config = _read_config(local, f"{located.run_id}/{located.path}")
