@@ -1,6 +1,7 @@
 """One lock per stage key: two runs of the same config on one output root never work in the same stage folder at
-once (each would delete the other's temporary files as leftovers of a crash). The second one stops at once, in
-one line naming the holder; once the first finishes, a rerun reuses its work.
+once (each would delete the other's temporary files as leftovers of a crash). A job takes the locks of all its
+stages before it starts (runner.run_stages), so the second one stops at once, in one line naming the holder, and
+leaves no MLflow run; once the first finishes, a rerun reuses its work.
 
 The lock is an advisory `flock` on `<paths.root>/locks/<stage>-<key>.lock`; the kernel drops it when the holder
 exits, however it exits, so a crash leaves no stale lock. (On network file systems flock is only as good as the
@@ -33,8 +34,8 @@ def stage_lock(root: Path, stage: str, key: str) -> Iterator[Path]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise PipelineError(f"{stage}: this config's {stage} stage ({key}) is running in {holder} ({path}); "
-                                "wait for it to finish, then rerun to reuse its work") from None
+            raise PipelineError(f"{stage}: this config's {stage} stage ({key}) is taken by the job in {holder} "
+                                f"({path}); wait for that job to finish, then rerun to reuse its work") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -36,8 +37,9 @@ JOB_STAGES = {
 def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     """Run `stages` in order under one parent run, each in its child run; log one line as each stage ends, each
     stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
-    also when a stage fails. Returns each stage's result by name (and the parent run's id); raises PipelineError
-    for bad input, and whatever a stage raises."""
+    also when a stage fails. Every stage's lock is held from before MLflow's store is made to the job's end.
+    Returns each stage's result by name (and the parent run's id); raises PipelineError for bad input or a stage
+    another job holds, and whatever a stage raises."""
     from pipeline.drafters.build import check_configured_drafter
     from pipeline.families import check_verifier_family
 
@@ -48,7 +50,15 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
     check_input_files(cfg, stages, ctx.paths)
     check_fits_local_ray(cfg, stages, prompts_made=ctx.paths.prompts.is_dir())
-    ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
+    with contextlib.ExitStack() as locks:
+        # every stage's lock before MLflow's store: a job refused by another one leaves no run behind
+        for stage in stages:
+            locks.enter_context(stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage)))
+        ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
+        return _run_under_parent_run(ctx, job, stages)
+
+
+def _run_under_parent_run(ctx: Context, job: str, stages: list[str]) -> dict:
     results: dict[str, Any] = {}
     times = StageTimes()
     with ctx.tracking(job).parent_run(job) as parent_run_id:
@@ -140,8 +150,7 @@ def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> No
     log.info("stage %s", stage)
     start = time.perf_counter()
     try:
-        lock = stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage))
-        with lock, ctx.tracking(stage).child_run(stage) as run_id:
+        with ctx.tracking(stage).child_run(stage) as run_id:
             results[stage] = STAGES[stage](ctx, results, run_id)
     except BaseException:
         seconds = times.add(stage, time.perf_counter() - start, failed=True)

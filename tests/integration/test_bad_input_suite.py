@@ -589,16 +589,20 @@ def test_a_second_run_of_one_config_on_one_root_stops_naming_the_holder(tmp_path
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"question {i}"} for i in range(10)])
     cfg = compose(tiny_overrides(tmp_path, tiny_verifier_path, prompts))
     paths = StagePaths(cfg)
-    with stage_lock(paths.root, "prompts", paths.stage_key("prompts")):  # the first run, inside its prompts stage
+    # the first run holds its capture stage (taken at its start, while it may still be in prompts): the second
+    # is refused before its first stage and before MLflow's store, so it leaves no run
+    with stage_lock(paths.root, "capture", paths.stage_key("capture")):
         assert run_job(cfg, "generate") == 2
         line = _error_line(capsys)
-        assert line.startswith(f"error: prompts: this config's prompts stage ({paths.prompts_key}) is running in "
-                               f"pid {os.getpid()} on ")
+        assert line.startswith(f"error: capture: this config's capture stage ({paths.store_key}) is taken by the job "
+                               f"in pid {os.getpid()} on ")
         assert not paths.prompts.exists()  # the second run wrote nothing
-    from pipeline.runner import run_stages
+        assert sorted(path.name for path in paths.root.iterdir()) == ["locks", "p.jsonl"]  # no MLflow store
+        from pipeline.runner import run_stages
 
-    assert "prompts" in run_stages(cfg, "generate", ["prompts"])  # once the first is done, the stage runs
-    assert paths.prompts.exists()
+        # the refused job let go of the prompts lock it took before capture's; a job of other stages runs
+        assert "prompts" in run_stages(cfg, "generate", ["prompts"])
+        assert paths.prompts.exists()
 
 
 class FailingVerifierActor:
