@@ -133,10 +133,21 @@ def _promote(ctx: Context, results: dict, run_id: str) -> Any:
     decision = gate.promote(ctx.tracking("promote"), exported["registered_model"], exported["version"], report,
                             results.get("vllm_eval") or vllm_check.load_result(ctx.paths.evaluation, report),
                             ctx.cfg.evaluation.gate)
+    _card_with_gate_decision(ctx, exported["registered_model"], exported["version"], decision)
     ctx.set_tags({"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason})
     ctx.log_metrics({"gate.promoted": float(decision.promote)})
     return {"promoted": decision.promote, "reason": decision.reason, "alias": ctx.cfg.evaluation.gate.alias,
             "version": exported["version"]}
+
+
+def _card_with_gate_decision(ctx: Context, name: str, version: str, decision: Any) -> None:
+    """The version's card (its registry description) says what the gate decided, and how a refused one is served."""
+    from pipeline.export.model_card import with_gate_decision
+
+    tracker = ctx.tracking("promote")
+    card = tracker.version_description(name, version)
+    tracker.describe_version(name, version, with_gate_decision(card, name, version, decision.promote,
+                                                               decision.reason, ctx.cfg.evaluation.gate.alias))
 
 
 _STAGE_FUNCTIONS = {"prompts": _prompts, "regenerate": _regenerate, "capture": _capture, "train": _train,

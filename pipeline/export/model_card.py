@@ -111,8 +111,26 @@ def serve_commands(export_config: dict, export_dir: str, num_speculative_tokens:
     commands = [f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(speculative))}"]
     if registry:
         name, version = registry
-        commands.append(f"python jobs/serve.py {shlex.quote(f'serving.model=models:/{name}/{version}')}")
+        commands += ["# the pipeline serves a version the promotion gate promoted (see its gate.decision tag)",
+                     f"python jobs/serve.py {shlex.quote(f'serving.model=models:/{name}/{version}')}"]
     return commands
+
+
+GATE_HEADING = "## Promotion gate"
+
+
+def with_gate_decision(card: str, name: str, version: str, promoted: bool, reason: str, alias: str) -> str:
+    """The registered version's card with the gate's decision as its last section, replacing the one an earlier
+    promote stage wrote: a refused version's card says that `jobs/serve.py` needs serving.allow_unpromoted=true.
+    Returns markdown."""
+    kept = card.split(f"\n{GATE_HEADING}\n", 1)[0].rstrip("\n")
+    model = shlex.quote(f"serving.model=models:/{name}/{version}")
+    if promoted:
+        lines = [f"Promoted as `{alias}` ({reason}); a better version may hold the alias since."]
+    else:
+        lines = [f"Refused: {reason}. `jobs/serve.py` serves this version only when told to:", "", "```bash",
+                 f"python jobs/serve.py {model} serving.allow_unpromoted=true", "```"]
+    return "\n".join([kept, "", GATE_HEADING, "", *lines, ""])
 
 
 def model_card(cfg: DictConfig, export_config: dict, export_dir: str, report: Optional[dict],

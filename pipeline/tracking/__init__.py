@@ -433,6 +433,10 @@ class Tracker:
             return existing, False
         return self.register(name, artifact_path, run_id, {**tags, **identity}), True
 
+    def version_description(self, name: str, version: str) -> str:
+        """The version's description (markdown; "" when it has none)."""
+        return self.client.get_model_version(name, version).description or ""
+
     def describe_version(self, name: str, version: str, description: str) -> None:
         """Set the version's description (markdown, shown on its page in the MLflow UI)."""
         self.client.update_model_version(name, version, description=description)

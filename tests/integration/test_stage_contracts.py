@@ -126,6 +126,10 @@ def test_gate_refuses_what_vllm_did_not_check(chain):
     version = client(cfg).get_model_version(results["export"]["registered_model"], results["export"]["version"])
     assert version.tags["gate.decision"] == "refused"
     assert version.tags["eval.signature"] == results["evaluate"]["signature"]
+    name, number = results["export"]["registered_model"], results["export"]["version"]
+    assert "\n## Promotion gate\n\nRefused: no vLLM cross-check" in version.description  # the card says so
+    assert f"python jobs/serve.py serving.model=models:/{name}/{number} serving.allow_unpromoted=true" in \
+        version.description.splitlines()
     assert not client(cfg).get_registered_model(results["export"]["registered_model"]).aliases
 
 

@@ -18,7 +18,7 @@ from pipeline.context import Context
 from pipeline.drafters.build import build_drafter
 from pipeline.errors import PipelineError
 from pipeline.export import stage as export_stage
-from pipeline.export.model_card import model_card
+from pipeline.export.model_card import model_card, with_gate_decision
 from pipeline.export.speculators_format import export_digest
 from pipeline.integrity import seal
 from pipeline.paths import StagePaths
@@ -203,3 +203,17 @@ def test_an_artifact_folder_holding_a_link_is_not_uploaded(cfg, tmp_path):
         with pytest.raises(PipelineError, match="is a link"):
             tracker.log_artifact(folder / "sub" / "key.pem", "speculator")
         assert tracker.client.list_artifacts(run_id) == []  # nothing was uploaded, not even config.json
+
+
+def test_the_cards_gate_section_says_how_a_refused_version_is_served_and_is_replaced_on_a_rerun(cfg):
+    config = {"speculators_model_type": "peagle",
+              "speculators_config": {"verifier": {"name_or_path": "/models/smollm2"}}}
+    card = model_card(cfg, config, "/e", report(), LINEAGE, ("m", "3"))
+    refused = with_gate_decision(card, "m", "3", False, "tau 1.2000 does not beat the champion's 1.3000", "champion")
+    assert refused.startswith(card.rstrip("\n") + "\n\n## Promotion gate\n\nRefused: tau 1.2000 does not beat")
+    assert "python jobs/serve.py serving.model=models:/m/3 serving.allow_unpromoted=true" in refused.splitlines()
+    promoted = with_gate_decision(refused, "m", "3", True, "first champion (tau 1.300)", "champion")
+    assert promoted.count("## Promotion gate") == 1 and "Refused" not in promoted  # the rerun's decision replaces it
+    assert promoted.endswith("## Promotion gate\n\nPromoted as `champion` (first champion (tau 1.300)); a better "
+                             "version may hold the alias since.\n")
+    assert promoted.startswith(card.rstrip("\n"))
