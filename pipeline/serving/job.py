@@ -20,7 +20,7 @@ from pipeline.export.stage import registered_model_name
 from pipeline.fsutil import atomic_write_text
 from pipeline.serving.app import build_app, llm_config, serve_config, speculator_source, with_speculator
 from pipeline.serving.metrics import scrape, served_metrics, spec_decode_counters
-from pipeline.serving.registry import ResolvedSpeculator, served_model_name
+from pipeline.serving.registry import ResolvedSpeculator, pinned_uri, served_model_name
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,18 @@ def prepare(ctx: Context) -> tuple[dict, Optional[ResolvedSpeculator]]:
     """(the Serve config, the resolved speculator or None for the plain verifier); writes the config file.
 
     The speculator is resolved here too (`build_app` then reuses the download), so that a wrong URI or a missing
-    K fails before Ray starts, and so that served tau can be logged to the version's run.
+    K fails before Ray starts, and so that served tau can be logged to the version's run. An alias is pinned to
+    the version it resolved to: the app serves the version checked here, and its served tau goes to that
+    version's run, even when the alias moves before the app starts (jobs/render_infra.py's RayService config keeps
+    the alias).
     """
     config = serve_config_for(ctx.cfg, ctx.verifier_path, ctx.tracking("serve").uri)
     app = config["applications"][0]
     resolved = None
     if app["args"]["speculator"]:  # build_app logs what it resolved to
         _, resolved = with_speculator(app["args"]["llm_config"], app["args"]["speculator"])
+        if resolved.version is not None:
+            app["args"]["speculator"]["uri"] = pinned_uri(app["args"]["speculator"]["uri"], resolved.version)
     path = Path(ctx.cfg.serving.serve_config_path)
     atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
     log.info("serve: Serve config written to %s (serve deploy / RayService serveConfigV2)", path)

@@ -43,6 +43,14 @@ def check_model_uri(uri: str) -> None:
                                 "run's artifacts (no '..', '.', empty or absolute parts)")
 
 
+def pinned_uri(uri: str, version: str) -> str:
+    """`models:/<name>/<version>` for a registry URI (an alias or a version) and the version it resolved to."""
+    model = MODEL_URI.match(uri)
+    if not model:
+        raise PipelineError(f"serving.model: '{uri}' is not a registry URI (models:/...) to pin to a version")
+    return f"models:/{model['name']}/{version}"
+
+
 def served_model_name(uri: str, default: str) -> str:
     """The OpenAI "model" a speculator is served as: the registered model's name, else `default`."""
     model = MODEL_URI.match(uri)

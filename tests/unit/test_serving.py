@@ -328,9 +328,16 @@ def test_jobs_serve_writes_the_config_a_rayservice_gets_and_resolves_the_specula
     ctx = Context.create(cfg)
     version = register_speculator(ctx.tracker, tmp_path, "peagle", {"eval.recommended_k": "2"})
     config, resolved = prepare(ctx)
-    assert config == serve_config_for(cfg, str(verifier), ctx.tracker.uri)  # what jobs/render_infra.py uses
+    rendered = serve_config_for(cfg, str(verifier), ctx.tracker.uri)  # what jobs/render_infra.py uses
+    assert rendered["applications"][0]["args"]["speculator"]["uri"] == "models:/m@champion"
+    # the job serves the version it checked, whatever the alias points at when the app starts
+    rendered["applications"][0]["args"]["speculator"]["uri"] = f"models:/m/{version}"
+    assert config == rendered
     assert yaml.safe_load(Path(cfg.serving.serve_config_path).read_text()) == config
     assert resolved.version == version and (resolved.local_dir / "config.json").is_file()
+    newer = register_speculator(ctx.tracker, tmp_path, "peagle", {"eval.recommended_k": "2"})  # takes the alias
+    app = config["applications"][0]["args"]
+    assert newer != version and with_speculator(app["llm_config"], app["speculator"])[1].version == version
     with pytest.raises(PipelineError, match="cannot resolve"):
         prepare(Context.create(compose([f"paths.root={tmp_path / 'empty'}", "verifier=hf", f"verifier.path={verifier}",
                                         "verifier.name=v", "tracking.registered_model_name=m"])))
