@@ -17,6 +17,7 @@ from pipeline.cluster import check_fits_local_ray, shutdown_if_started_here, sig
 from pipeline.config import validate
 from pipeline.config.schema import PathsConfig
 from pipeline.context import Context
+from pipeline.data.stage import prompts_saved
 from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
 from pipeline.logs import quieted, setup_job_logging
@@ -49,7 +50,7 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
     check_input_files(cfg, stages, ctx.paths)
-    check_fits_local_ray(cfg, stages, prompts_made=ctx.paths.prompts.is_dir())
+    check_fits_local_ray(cfg, stages, prompts_made=prompts_saved(ctx.paths.prompts))
     with contextlib.ExitStack() as locks:
         # every stage's lock before MLflow's store: a job refused by another one leaves no run behind
         for stage in stages:
@@ -88,7 +89,7 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
         prompt_file(cfg.data)
         # its contents too, while a stage of this job will split it (the stage reads it again, then logs what it
         # left out): an empty, malformed or too small file is refused before MLflow's store, a lock or a log
-        if {"prompts", "regenerate", "evaluate"} & set(stages) and not paths.prompts.is_dir():
+        if {"prompts", "regenerate", "evaluate"} & set(stages) and not prompts_saved(paths.prompts):
             with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
                 split_prompts(load_prompts(cfg.data), cfg.data)
     if "evaluate" in stages:

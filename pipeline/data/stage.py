@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import datasets
 
@@ -12,9 +13,14 @@ from pipeline.data.prompts import WRITTEN_BY_THE_VERIFIER, load_prompts, split_p
 log = logging.getLogger(__name__)
 
 
+def prompts_saved(folder: Path) -> bool:
+    """Whether the prompts stage saved both splits in `folder`: a run stopped between the two left only one."""
+    return (folder / "train").is_dir() and (folder / "held_out").is_dir()
+
+
 def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
     folder = ctx.paths.prompts
-    if not (folder / "train").is_dir() or not (folder / "held_out").is_dir():
+    if not prompts_saved(folder):
         writer = ctx.prompt_writer() if ctx.cfg.data.source in WRITTEN_BY_THE_VERIFIER else None
         train, held_out = split_prompts(load_prompts(ctx.cfg.data, writer), ctx.cfg.data)
         save_dataset_atomic(train, folder / "train")

@@ -760,6 +760,19 @@ def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, m
     assert not root.exists() or not any(root.iterdir())
 
 
+def test_a_prompt_file_is_read_up_front_while_its_prompts_stage_saved_only_one_split(tmp_path, tiny_verifier_path,
+                                                                                     capsys):
+    from pipeline.paths import StagePaths
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    cfg = compose(tiny_overrides(tmp_path / "out", tiny_verifier_path, broken))
+    (StagePaths(cfg).prompts / "train").mkdir(parents=True)  # a run stopped between saving the two splits
+    assert run_job(cfg, "generate") == 2
+    assert re.fullmatch(r"error: data\.path: line 2 of '.*broken\.jsonl' .*", _error_line(capsys))
+    assert not (tmp_path / "out" / "mlflow").exists()
+
+
 @pytest.mark.parametrize("job, override, message", [
     ("pipeline", "training.num_workers=64", r"training\.num_workers: asks for 64 CPUs \(64 Ray Train workers of "),
     ("generate", "generation.num_actors=64", r"generation\.num_actors: asks for \d+ CPUs \(64 verifier actors of "),
