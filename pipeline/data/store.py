@@ -30,6 +30,8 @@ MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.safetensors"
 SHARD_NAME = re.compile(r"shard-[0-9a-f]{16}\.safetensors")  # shard_name()'s
 SHA256 = re.compile(r"[0-9a-f]{64}")
+CORRUPT_SHARD = "store: shard '{}' does not match its sha256 in the manifest (corrupt); "
+RECAPTURE = "delete it and rerun jobs/generate.py with this config to capture its samples again"
 FORMAT_VERSION = 2
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -129,8 +131,7 @@ def check_shard_whole(path: Path) -> None:
     safetensors header says was damaged after it was written (fsutil.safetensors_is_whole). Raises PipelineError
     naming the file."""
     if not safetensors_is_whole(path):
-        raise PipelineError(f"store: shard '{path}' is damaged (its size does not match its header); delete it and "
-                            "rerun to capture its samples again")
+        raise PipelineError(f"store: shard '{path}' is damaged (its size does not match its header); {RECAPTURE}")
 
 
 def read_shard_entry(path: Path) -> dict:
@@ -147,21 +148,25 @@ def read_shard_entry(path: Path) -> dict:
         num_tokens = int(offsets[-1])
     except (SafetensorError, KeyError, TypeError, IndexError, ValueError) as error:  # JSONDecodeError too
         raise PipelineError(f"store: shard '{path}' is not one this pipeline wrote ({type(error).__name__}: "
-                            f"{first_line(error)}); delete it and rerun to capture its samples again") from None
+                            f"{first_line(error)}); {RECAPTURE}") from None
     if not _is_id_list(sample_ids):
         raise PipelineError(f"store: shard '{path}' is not one this pipeline wrote (its sample_ids are not a list of "
-                            "ids); delete it and rerun to capture its samples again")
+                            f"ids); {RECAPTURE}")
     return {"file": path.name, "sha256": sha256_file(path), "sample_ids": sample_ids, "num_tokens": num_tokens}
 
 
-def scan_shards(store_dir: Path, known: dict[str, dict] | None = None) -> list[dict]:
-    """Entries for every complete shard on disk; reuse `known` entries (by file name) instead of re-hashing, once the
-    file is still whole (check_shard_whole). Raises PipelineError naming a damaged shard."""
+def scan_shards(store_dir: Path, known: dict[str, dict] | None = None, verify_known: bool = True) -> list[dict]:
+    """Entries for every complete shard on disk. A shard `known` lists (by file name, such as the last manifest's)
+    keeps that entry once it is whole (check_shard_whole) and, with `verify_known`, still has that sha256 (a
+    shard changed in place is not counted as captured); any other is read from its own header. Raises
+    PipelineError naming a damaged shard."""
     known = known or {}
     entries = []
     for path in sorted(store_dir.glob(SHARD_GLOB)):
         if path.name in known:
             check_shard_whole(path)
+            if verify_known and sha256_file(path) != known[path.name]["sha256"]:
+                raise PipelineError(CORRUPT_SHARD.format(path) + RECAPTURE)
             entries.append(known[path.name])
         else:
             entries.append(read_shard_entry(path))  # checks the shard whole too
@@ -271,9 +276,10 @@ def verify_store(store_dir: Path) -> dict:
     for shard in manifest["shards"]:
         path = store_dir / shard["file"]
         if not path.is_file():
-            raise PipelineError(f"store: shard '{path}' listed in the manifest is missing")
+            raise PipelineError(f"store: shard '{path}' listed in the manifest is missing; rerun jobs/generate.py "
+                                "with this config to capture its samples again")
         if sha256_file(path) != shard["sha256"]:
-            raise PipelineError(f"store: shard '{path}' does not match its sha256 in the manifest (corrupt)")
+            raise PipelineError(CORRUPT_SHARD.format(path) + RECAPTURE)
     return manifest
 
 

@@ -1,7 +1,8 @@
 """The prompt sets an evaluation decodes: the prompt set's held-out split plus named eval sets (`datasets`).
 
-A named set never hands back a conversation the drafter trained on: rows whose content hash is in the training
-split are left out before its first `prompts_per_set` are taken (HumanEval is both a training and an eval source).
+A named set never hands back a prompt the drafter trained on: rows whose user turns (data.prompts.prompt_key) a
+conversation of the training split has are left out before its first `prompts_per_set` are taken (HumanEval is
+both a training and an eval source), whatever their system prompt or assistant turns.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from pipeline.data.chat import prompt_messages
-from pipeline.data.prompts import load_prompts
+from pipeline.data.prompts import load_prompts, prompt_key
 from pipeline.errors import PipelineError, first_line
 
 log = logging.getLogger(__name__)
@@ -18,16 +19,22 @@ log = logging.getLogger(__name__)
 HELD_OUT = "held_out"
 
 
-def eval_sets(eval_cfg: Any, held_out, train_ids: set[str], writer=None,
+def trained_prompts(train) -> set[str]:
+    """The prompt keys of the training split's rows ({sample_id, messages}), which no named eval set hands back."""
+    return {prompt_key(row["messages"]) for row in train}
+
+
+def eval_sets(eval_cfg: Any, held_out, trained: set[str], writer=None,
               fit: Optional[Callable[[str, list], list]] = None) -> dict[str, list[list[dict]]]:
-    """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them.
+    """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them. `trained`:
+    the training split's prompt keys (trained_prompts).
 
     writer: the verifier's PromptWriter, for sets of the verifier's own prompts (code, math, chat). fit(name,
     conversations): the ones that fit the context they are decoded in (None: all), applied before a named set is
     cut to evaluation.prompts_per_set, so that long prompts leave room for others."""
     sets: dict[str, list[list[dict]]] = {}
     for name in eval_cfg.datasets:
-        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, train_ids, writer)
+        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, trained, writer)
         conversations = [prompt_messages(row["messages"]) for row in rows]
         if fit is not None:
             conversations = fit(name, conversations)
@@ -55,9 +62,9 @@ def set_config(name: str, eval_cfg: Any) -> Any:
                             f"({{source: ..., path: ...}}), got {eval_cfg.sets[name]!r}") from error
 
 
-def _named_set(name: str, eval_cfg: Any, train_ids: set[str], writer) -> list[dict]:
+def _named_set(name: str, eval_cfg: Any, trained: set[str], writer) -> list[dict]:
     prompts = read_named_set(name, eval_cfg, writer)
-    unseen = [row for row in prompts if row["sample_id"] not in train_ids]
+    unseen = [row for row in prompts if prompt_key(row["messages"]) not in trained]
     if len(unseen) < len(prompts):
         log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))
     return unseen

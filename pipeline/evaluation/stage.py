@@ -198,7 +198,9 @@ def _publish(ctx: Context, report: dict, folder: Path) -> None:
              f", recommended K {report['profile']['recommended_k']}" if report["profile"] else "")
 
 
-def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
+def run(ctx: Context, checkpoint: Path, held_out, trained: set[str]) -> dict:
+    """Evaluate the checkpoint on the held-out split and the named eval sets (less the `trained` prompt keys,
+    eval_sets.trained_prompts), or reuse its finished report. Returns the report."""
     eval_cfg = ctx.cfg.evaluation
     folder = ctx.paths.evaluation
     finished = _finished_report(folder, checkpoint)
@@ -213,7 +215,7 @@ def run(ctx: Context, checkpoint: Path, held_out, train_ids: set[str]) -> dict:
     verifier, tokenizer = load_verifier(ctx.verifier_path, ctx.cfg.verifier.compute_dtype)
     drafter.to(verifier.device)
     limit = prompt_token_limit(verifier.config, eval_cfg)
-    sets = eval_sets(eval_cfg, held_out, train_ids, ctx.prompt_writer(),
+    sets = eval_sets(eval_cfg, held_out, trained, ctx.prompt_writer(),
                      fit=lambda name, conversations: fitting_prompts(name, conversations, tokenizer, limit))
     per_set, all_counts = {}, []
     for name, conversations in sets.items():

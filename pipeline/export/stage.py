@@ -98,6 +98,8 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
                        "reused": not registered.created})
     card = model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
                       (registered.name, registered.version) if registered else None)
+    if registered and not registered.created:  # the reused version's own card: its labels and lineage
+        card = ctx.tracking("export").version_description(registered.name, registered.version) or card
     if tracked:
         _publish(ctx, folder, card, registered)
     else:

@@ -105,8 +105,8 @@ def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:
     stale = remove_stale_temporaries(store)
     if stale:
         log.warning("capture: removed %d half-written shards left by an interrupted run", stale)
-    known = {s["file"]: s for s in (previous or {}).get("shards", [])}
-    done = {sid for shard in scan_shards(store, known) for sid in shard["sample_ids"]}
+    stored = scan_shards(store, {s["file"]: s for s in (previous or {}).get("shards", [])})
+    done = {sid for shard in stored for sid in shard["sample_ids"]}
     todo = [{"sample_id": r["sample_id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
             for r in regenerated if r["sample_id"] not in done]
     total_tokens = sum(len(r["input_ids"]) for r in regenerated)
@@ -116,7 +116,8 @@ def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:
     store.mkdir(parents=True, exist_ok=True)
     log.info("capture: %d samples already stored, %d to capture into %s", len(done), len(todo), store)
     throughput = _capture_missing(ctx, todo, layer_ids, store) if todo else {}
-    shards = scan_shards(store, known)
+    # those just checked keep their entries; a shard captured now is read, even one with an old shard's name
+    shards = scan_shards(store, {s["file"]: s for s in stored}, verify_known=False)
     check_each_once([sid for shard in shards for sid in shard["sample_ids"]],
                      {r["sample_id"] for r in regenerated}, "store")
     manifest = write_manifest(store, shards, {

@@ -103,8 +103,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
         try:
             verify(final)
             log.info("train: reusing the finished checkpoint %s", final)
-            ctx.set_tags({"train.reused": True, "train.checkpoint": str(final)})
-            return final
+            return _recorded(ctx, final, reused=True)
         except PipelineError as problem:  # a truncated or changed file: never picked again, made again
             damaged = problem
     store = ctx.paths.store
@@ -143,7 +142,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
                         "among the run's checkpoints is not made again)", resume_from, point.step,
                         cfg.training.max_steps, cfg.training.select_best_by)
             copy_folder_atomic(resume_from, final)
-            return final
+            return _recorded(ctx, final)
         log.info("train: resuming from %s", resume_from)
         worker = dataclasses.replace(worker, resume_from=str(resume_from))
     result = _fit(ctx, worker)
@@ -161,9 +160,17 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
              f" (best {select_by} {score:.4f})" if score is not None else "", final)
     if score is not None:
         ctx.log_metrics({"train.best_step": state["step"], f"train.best_{select_by.replace('.', '_')}": score})
-    for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):  # the optimizer state stays in final/ for resume_from
-        ctx.log_artifact(final / name, "checkpoint")
-    ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key})
+    return _recorded(ctx, final)
+
+
+def _recorded(ctx: Context, final: Path, reused: bool = False) -> Path:
+    """Record the final checkpoint on this job's train run, however it was made: tags train.checkpoint, train.key
+    and train.reused, and (unless reused: the run that made it holds them) its files as the `checkpoint` artifact.
+    Returns `final`."""
+    if not reused:
+        for name in (SPEC_FILE, WEIGHTS_FILE, STATE_FILE):  # the optimizer state stays in final/ for resume_from
+            ctx.log_artifact(final / name, "checkpoint")
+    ctx.set_tags({"train.checkpoint": str(final), "train.key": ctx.paths.train_key, "train.reused": reused})
     return final
 
 

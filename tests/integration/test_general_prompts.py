@@ -8,7 +8,7 @@ import pytest
 from pipeline.config import compose
 from pipeline.data.prompts import load_prompts
 from pipeline.data.synthesize import PromptWriter
-from pipeline.evaluation.eval_sets import eval_sets
+from pipeline.evaluation.eval_sets import eval_sets, trained_prompts
 from tests.conftest import go_offline
 
 # Two domains, one batch each: the mechanism at a fraction of the default's 3 x 800 requests.
@@ -52,8 +52,8 @@ def test_an_eval_set_of_the_verifiers_requests_leaves_out_every_training_prompt(
                           "++evaluation.sets.code.synthetic.batch_size=6",
                           "++evaluation.sets.code.synthetic.max_new_tokens=40",
                           "++evaluation.sets.code.synthetic.backend=hf"]).evaluation
-    train_ids = set(train["sample_id"])
-    sets = eval_sets(evaluation, [], train_ids, writer(cfg, smollm2_path, tmp_path))
-    from pipeline.data.prompts import conversation_id
+    trained = trained_prompts(train)
+    sets = eval_sets(evaluation, [], trained, writer(cfg, smollm2_path, tmp_path))
+    from pipeline.data.prompts import prompt_key
 
-    assert sets["code"] and not {conversation_id(c) for c in sets["code"]} & train_ids
+    assert sets["code"] and not {prompt_key(c) for c in sets["code"]} & trained

@@ -193,6 +193,32 @@ def test_a_given_checkpoint_at_or_past_max_steps_is_refused_not_copied_as_a_shor
     assert not StagePaths(cfg).final_checkpoint.exists()
 
 
+@pytest.mark.slow  # it needs the reference run too
+def test_a_final_checkpoint_made_from_the_runs_last_checkpoint_is_recorded_as_a_trained_one(store, tiny_verifier_path,
+                                                                                           reference):
+    """A job stopped after its last step's checkpoint but before final/ was made: the rerun made final/ of that
+    checkpoint, and its train run carried no train.checkpoint, train.key or checkpoint artifact."""
+    reference_cfg, _ = reference
+    final = StagePaths(reference_cfg).final_checkpoint
+    kept = final.rename(final.with_name("final.kept"))  # put back below: the other tests read the reference's
+    try:
+        results = run_stages(reference_cfg, "train", ["train"])
+        client = mlflow.MlflowClient(tracking_uri(reference_cfg))
+        train_run = client.search_runs(
+            [client.get_experiment_by_name(reference_cfg.tracking.experiment_name).experiment_id],
+            f"tags.mlflow.parentRunId = '{results['_parent_run_id']}'")[0]
+        assert json.loads((final / "train_state.json").read_text())["step"] == STEPS
+        assert train_run.data.tags["train.checkpoint"] == str(final) and train_run.data.tags["train.reused"] == "False"
+        assert train_run.data.tags["train.key"] == StagePaths(reference_cfg).train_key
+        assert {a.path for a in client.list_artifacts(train_run.info.run_id, "checkpoint")} == {
+            "checkpoint/spec.json", "checkpoint/drafter.safetensors", "checkpoint/train_state.json"}
+    finally:
+        import shutil
+
+        shutil.rmtree(final, ignore_errors=True)
+        kept.rename(final)
+
+
 # Every anchor and every depth: the drafter's loss then draws nothing at random, so runs can match step for step.
 DETERMINISTIC = ["drafter.max_anchors=null", "drafter.depth_keep_decay=1.0", "training.autocast_dtype=null",
                  "training.max_steps=6", "training.micro_batch_size=1"]

@@ -73,6 +73,23 @@ def test_a_truncated_or_stray_shard_is_never_counted_as_captured(tmp_path):
         scan_shards(tmp_path)
 
 
+def test_a_shard_changed_in_place_is_not_counted_as_captured_and_a_recaptured_one_gets_its_own_sha256(tmp_path):
+    """A shard of the right size whose bytes changed kept its manifest entry (the store then failed every train
+    run); one deleted and captured again under its old name kept the old sha256 (the repaired store was refused)."""
+    from pipeline.data.store import read_shard_entry, scan_shards
+
+    shard = _shard(tmp_path / "shard-00000000000000aa.safetensors")
+    entry = read_shard_entry(shard)
+    data = bytearray(shard.read_bytes())
+    data[-4:] = b"\x01\x02\x03\x04"  # inside the tensor data: the size still matches the header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PipelineError, match=rf"^store: shard '{shard}' does not match its sha256 in the manifest "
+                                            r"\(corrupt\); delete it and rerun jobs/generate\.py with this config"):
+        scan_shards(tmp_path, {shard.name: entry})
+    assert scan_shards(tmp_path, {shard.name: entry}, verify_known=False) == [entry]  # checked earlier in the run
+    assert scan_shards(tmp_path)[0]["sha256"] == read_shard_entry(shard)["sha256"] != entry["sha256"]
+
+
 @pytest.mark.parametrize("tensors, metadata", [({"x": torch.zeros(2)}, None),
                                                ({"offsets": torch.tensor([0, 3])}, {"sample_ids": "not json"}),
                                                ({"x": torch.zeros(2)}, {"sample_ids": "[\"a\"]"}),

@@ -9,9 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.config.schema import EvaluationConfig
-from pipeline.data.prompts import conversation_id
 from pipeline.errors import PipelineError
-from pipeline.evaluation.eval_sets import eval_sets
+from pipeline.evaluation.eval_sets import eval_sets, trained_prompts
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
@@ -85,7 +84,7 @@ def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
     cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
         "name": "t", "datasets": ["held_out", "mine"], "prompts_per_set": 3,
         "sets": {"mine": {"source": "jsonl", "path": str(write_jsonl(tmp_path / "mine.jsonl", rows))}}})
-    trained = {conversation_id(rows[i]["messages"]) for i in (0, 2)}
+    trained = trained_prompts([rows[i] for i in (0, 2)])
     held_out = [{"messages": [{"role": "user", "content": "held"}, {"role": "assistant", "content": "answer"}]}]
     sets = eval_sets(cfg, held_out, trained)
     assert list(sets) == ["held_out", "mine"]
@@ -96,6 +95,20 @@ def test_named_eval_sets_leave_out_the_prompts_the_drafter_trained_on(tmp_path):
     sets = eval_sets(cfg, held_out, trained, fit=lambda name, conversations: [
         c for c in conversations if c[0]["content"] not in too_long])
     assert [m[0]["content"] for m in sets["mine"]] == ["question 4", "question 5"]
+
+
+def test_a_trained_prompt_is_left_out_whatever_its_answer_or_system_prompt(tmp_path):
+    """The overlap was judged on the whole conversation: an eval set of the training prompts with reference
+    answers, or a training split framed by data.system_prompt, handed back every prompt the drafter trained on."""
+    asked = [f"question {i}" for i in range(4)]
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i, q in enumerate(asked)]
+    cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
+        "name": "t", "datasets": ["mine"], "prompts_per_set": 4,
+        "sets": {"mine": {"source": "jsonl", "path": str(write_jsonl(tmp_path / "mine.jsonl", rows))}}})
+    train = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]}
+             for q in asked[:3]]
+    assert [m[0]["content"] for m in eval_sets(cfg, [], trained_prompts(train))["mine"]] == ["question 3"]
 
 
 def test_an_unreadable_eval_set_names_itself(tmp_path):

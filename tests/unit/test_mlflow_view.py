@@ -173,9 +173,13 @@ def test_each_version_carries_the_card_the_export_folder_holds(export):
 
 def test_registering_the_same_export_twice_yields_one_version(export):
     ctx, run = export
-    first, again = run(report()), run(report())
+    first = run(report())
+    ctx.cfg.data.name = "relabelled"  # a label only: the same export, whose folder keeps the version's card
+    again = run(report())
     assert (again["version"], again["reused"]) == (first["version"], True) and not first["reused"]
     name = first["registered_model"]
+    card = ctx.tracker.client.get_model_version(name, first["version"]).description
+    assert (ctx.paths.export / "README.md").read_text() == card and "relabelled" not in card
     assert len(ctx.tracker.client.search_model_versions(f"name = '{name}'")) == 1
     export_runs = ctx.tracker.client.search_runs([ctx.tracker.experiment_id], "tags.stage = 'export'")
     assert sorted(r.data.tags["registry.reused"] for r in export_runs) == ["False", "True"]

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from pipeline.data.chat import prompt_messages, tokenize_conversation
 from pipeline.data.prompts import load_prompts, split_prompts
 from pipeline.errors import PipelineError
-from tests.conftest import go_offline
+from tests.conftest import go_offline, write_jsonl
 
 
 def data_cfg(**overrides):
@@ -39,6 +39,17 @@ def test_jsonl_rows_become_deduplicated_conversations(prompts_jsonl):
     assert len(prompts) == 13  # 14 rows, one duplicate
     assert len(set(prompts["sample_id"])) == 13
     assert prompts[12]["messages"] == [{"role": "user", "content": "Say hello in French."}]
+
+
+def test_conversations_with_the_same_user_turns_are_one_prompt(tmp_path):
+    """Two answers to one prompt were two conversations: one could land in the held-out split and the other in
+    training (the verifier answers both again), so held-out tau measured trained prompts."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i % 4}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(8)]
+    prompts = load_prompts(data_cfg(path=str(write_jsonl(tmp_path / "p.jsonl", rows))))
+    assert [m["messages"][1]["content"] for m in prompts] == ["a0", "a1", "a2", "a3"]  # the first of each kept
+    train, held_out = split_prompts(prompts, data_cfg(num_train=2, num_eval=2))
+    assert not {m["messages"][0]["content"] for m in train} & {m["messages"][0]["content"] for m in held_out}
 
 
 def test_parquet_source(tmp_path):
