@@ -36,6 +36,15 @@ _UMASK = _process_umask()
 FILE_MODE, FOLDER_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
 
 
+def _share_tree(folder: Path) -> None:
+    for root, folders, names in os.walk(folder):
+        for name in folders:
+            share(Path(root) / name, FOLDER_MODE)
+        for name in names:
+            if not (Path(root) / name).is_symlink():
+                share(Path(root) / name, FILE_MODE)
+
+
 def fsync_tree(folder: Path) -> None:
     """Flush every file under `folder`, then the folders themselves, to disk: a rename is durable only once what it
     names is (after a power loss, a renamed but unflushed file can read back empty)."""
@@ -83,12 +92,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_folder(target: Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder to fill; on success it replaces `target`, on error it is removed."""
+    """Yield a temporary sibling folder to fill; on success it replaces `target`, on error it is removed. What it
+    holds gets the umask's modes (safetensors, like tempfile, writes its files 0600)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         share(staging, FOLDER_MODE)
         yield staging
+        _share_tree(staging)
         fsync_tree(staging)
         if target.exists():
             shutil.rmtree(target)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
@@ -143,9 +144,15 @@ def _conversation_problem(messages: list[dict[str, str]]) -> str | None:
             return f"unknown role '{message['role']}'"
     if not any(m["role"] == "user" for m in messages):
         return "no user turn"
-    if any(not m["content"].strip() for m in messages if m["role"] == "user"):
+    if any(is_blank(m["content"]) for m in messages if m["role"] == "user"):
         return "an empty user turn"
     return None
+
+
+def is_blank(text: str) -> bool:
+    """Nothing to read: only white space and invisible format characters (Unicode category Cf: zero-width spaces
+    and joiners, BOMs, direction marks), which str.strip() keeps."""
+    return all(character.isspace() or unicodedata.category(character) == "Cf" for character in text)
 
 
 def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.Dataset:
@@ -196,7 +203,8 @@ def split_prompts(prompts: datasets.Dataset, data_cfg: Any) -> tuple[datasets.Da
     wanted = data_cfg.num_train + data_cfg.num_eval
     if len(prompts) < wanted:
         raise PipelineError(
-            f"data.num_train + data.num_eval = {wanted} but the source has only {len(prompts)} conversations"
+            f"data.num_train + data.num_eval = {wanted} but the source has only {len(prompts)} distinct usable "
+            "conversations (a duplicate of an earlier one's user turns, or an empty one, does not count)"
         )
     shuffled = prompts.shuffle(seed=data_cfg.shuffle_seed)
     held_out = shuffled.select(list(range(data_cfg.num_eval)))  # a list: an empty range is refused

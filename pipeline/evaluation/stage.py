@@ -163,7 +163,7 @@ def _finished_report(folder: Path, checkpoint: Path) -> dict | None:
     try:
         report = load_report(folder)
     except PipelineError as error:  # damaged after it was written (it is renamed into place whole): measure again
-        log.warning("evaluate: %s; measuring again", error)
+        log.warning("%s; measuring again", error)  # its message names the stage (read_json)
         return None
     if not report_is_of(report, checkpoint, folder / "report.json"):
         log.info("evaluate: the report in %s was measured on other weights; measuring again", folder)

@@ -362,6 +362,9 @@ class Tracker:
         try:
             yield run_id
             status = "FINISHED"
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM (runner._stopped): stopped, not failed
+            status = "KILLED"
+            raise
         finally:
             self._active.pop()
             self.client.set_terminated(run_id, status)

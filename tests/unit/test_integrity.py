@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from pipeline.checkpoint import STATE_FILE, WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from pipeline.errors import PipelineError
@@ -151,9 +152,13 @@ def test_what_the_pipeline_publishes_has_the_modes_the_umask_gives_not_tempfiles
     atomic_write_text(tmp_path / "report.json", "{}")
     with atomic_folder(tmp_path / "export") as staging:
         (staging / "config.json").write_text("{}")
+        save_file({"weight": torch.zeros(2)}, str(staging / "model.safetensors"))  # safetensors writes it 0600
+        (staging / "sub").mkdir(mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=tmp_path)
     os.close(fd)
     publish(tmp, tmp_path / "part.parquet")
     for path, mode in [(tmp_path / "report.json", FILE_MODE), (tmp_path / "export", FOLDER_MODE),
+                       (tmp_path / "export" / "model.safetensors", FILE_MODE),
+                       (tmp_path / "export" / "sub", FOLDER_MODE),
                        (tmp_path / "part.parquet", FILE_MODE)]:
         assert path.stat().st_mode & 0o777 == mode, path

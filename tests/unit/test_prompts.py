@@ -176,9 +176,10 @@ def test_empty_conversations_are_skipped_and_reported(tmp_path, caplog):
     from tests.conftest import write_jsonl
 
     path = write_jsonl(tmp_path / "some_empty.jsonl", [
-        {"messages": []}, {"messages": [{"role": "user", "content": "  "}]}, {"prompt": "real question"}])
+        {"messages": []}, {"messages": [{"role": "user", "content": "  "}]}, {"prompt": "real question"},
+        {"prompt": "\u200b\u200b"}, {"prompt": "\ufeff\u200d \u2060\n"}, {"prompt": "\u200bvisible"}])
     prompts = load_prompts(data_cfg(path=str(path)))
-    assert len(prompts) == 1
+    assert [p["messages"][-1]["content"] for p in prompts] == ["real question", "\u200bvisible"]
     assert "empty conversation" in caplog.text and "empty user turn" in caplog.text
 
 

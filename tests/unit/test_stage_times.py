@@ -104,3 +104,22 @@ def test_a_failed_stage_still_gets_its_time_and_the_table(store, monkeypatch, ca
     table = caplog.text[caplog.text.index("evaluate: stage times (export failed)"):]
     assert "failed" in next(line for line in table.splitlines() if line.startswith("export"))
     assert "promote" not in table
+
+
+def interrupted(ctx, results, run_id):
+    raise KeyboardInterrupt
+
+
+def test_a_stage_stopped_by_ctrl_c_leaves_killed_runs_not_failed_ones(store, monkeypatch):
+    """Ctrl-C and SIGTERM (both a KeyboardInterrupt here) stop a job: its runs read KILLED in MLflow, as a
+    stopped run does, and FAILED stays for a stage that raised."""
+    monkeypatch.setitem(stages.STAGES, "evaluate", sleeper(0.01))
+    monkeypatch.setitem(stages.STAGES, "export", interrupted)
+    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
+    cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-stopped"])
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_stages(cfg, "evaluate", ["evaluate", "export"])
+    parent, children = runs(cfg)
+    assert parent.info.status == "KILLED"
+    assert sorted((c.data.tags["stage"], c.info.status) for c in children) == [("evaluate", "FINISHED"),
+                                                                              ("export", "KILLED")]
