@@ -72,9 +72,9 @@ def _parquet_rows(path: Path) -> datasets.Dataset:
         raise PipelineError(f"data.path: '{path}' is not a readable Parquet file: {error}") from error
     if empty:
         raise PipelineError(f"data.path: the prompt file '{path}' is empty")
-    try:
-        return datasets.load_dataset("parquet", data_files=str(path), split="train")
-    except Exception as error:  # datasets raises several types for unreadable files
+    try:  # the table as it is, in memory: load_dataset would convert it into the HF cache, with a progress bar
+        return datasets.Dataset(pyarrow.parquet.read_table(str(path)))
+    except Exception as error:  # pyarrow and datasets raise several types for unreadable files
         raise PipelineError(f"data.path: cannot read '{path}' as parquet: {error}") from error
 
 

@@ -171,4 +171,5 @@ def row_messages(row: dict, messages_field: str, prompt_field: str, where: str,
         return _ultrachat_messages(row["data"], where)
     if row.get(prompt_field) is not None:
         return _prompt_message(row[prompt_field], prompt_field, where)
-    raise SkipRow(f"no '{messages_field}', 'conversations', 'data' or '{prompt_field}' field")
+    raise SkipRow(f"no '{messages_field}', 'conversations', 'data' or '{prompt_field}' field with a value (absent "
+                  "or null)")

@@ -60,6 +60,18 @@ def test_parquet_source(tmp_path):
     assert len(load_prompts(data_cfg(source="parquet", path=str(path)))) == 3
 
 
+def test_a_parquet_prompt_column_of_nulls_is_named_and_the_file_is_read_without_a_progress_bar(tmp_path, capfd):
+    import pyarrow
+    import pyarrow.parquet
+
+    path = tmp_path / "nulls.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"prompt": pyarrow.array([None, None], pyarrow.string())}), str(path))
+    with pytest.raises(PipelineError, match=r"2 no 'messages', 'conversations', 'data' or 'prompt' field with a "
+                                            r"value \(absent or null\)"):
+        load_prompts(data_cfg(source="parquet", path=str(path)))
+    assert "Generating train split" not in capfd.readouterr().err  # only the error line reaches the user
+
+
 def test_split_is_disjoint_and_stable(prompts_jsonl):
     prompts = load_prompts(data_cfg(path=str(prompts_jsonl)))
     train, held_out = split_prompts(prompts, data_cfg())
