@@ -37,12 +37,11 @@ FILE_MODE, FOLDER_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
 
 
 def _share_tree(folder: Path) -> None:
+    """Give what `folder` holds the umask's modes; a link is left alone (chmod would change its target)."""
     for root, folders, names in os.walk(folder):
-        for name in folders:
-            share(Path(root) / name, FOLDER_MODE)
-        for name in names:
+        for name, mode in [*((name, FOLDER_MODE) for name in folders), *((name, FILE_MODE) for name in names)]:
             if not (Path(root) / name).is_symlink():
-                share(Path(root) / name, FILE_MODE)
+                share(Path(root) / name, mode)
 
 
 def fsync_tree(folder: Path) -> None:

@@ -1,7 +1,9 @@
 """One lock per stage key: two runs of the same config on one output root never work in the same stage folder at
 once (each would delete the other's temporary files as leftovers of a crash). A job takes the locks of all its
-stages before it starts (runner.run_stages), so the second one stops at once, in one line naming the holder, and
-leaves no MLflow run; once the first finishes, a rerun reuses its work.
+stages before it starts and lets go of each once that stage is done (runner.run_stages), so the second one
+stops at once, in one line naming the holder, and leaves no MLflow run; once the first finishes, a rerun reuses
+its work. A job of another config sharing finished stages with a running one (another drafter on the same
+store) goes on.
 
 The lock is an advisory `flock` on `<paths.root>/locks/<stage>-<key>.lock`; the kernel drops it when the holder
 exits, however it exits, so a crash leaves no stale lock. (On network file systems flock is only as good as the

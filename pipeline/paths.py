@@ -260,7 +260,9 @@ class StagePaths:
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.
         measured["sets"] = {name: _used_set_fields(measured["sets"][name], name) for name in cfg.evaluation.datasets
                             if name in measured["sets"]}
-        self.evaluation_key = content_key(self.train_key, measured, data)
+        # sets-v2: a named set leaves out the training split's prompts by their user turns (eval_sets.trained_prompts),
+        # not by whole conversation: a report measured on the old sets may hold trained prompts and is not reused.
+        self.evaluation_key = content_key(self.train_key, measured, data, "sets-v2")
 
     def stage_key(self, stage: str) -> str:
         """The key of the folder `stage` writes: the one a lock on that stage guards (pipeline/locks.py)."""

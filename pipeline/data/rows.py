@@ -17,6 +17,7 @@ non-text part, an unknown role, no user turn) is skipped by the caller with a co
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,6 +27,12 @@ from pipeline.errors import PipelineError, first_line
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 TOOL_ROLES = ("tool", "function", "ipython")  # OpenAI's tool and legacy function results, Llama 3's ipython
+
+
+def is_blank(text: str) -> bool:
+    """Nothing to read: only white space and invisible format characters (Unicode category Cf: zero-width spaces
+    and joiners, BOMs, direction marks), which str.strip() keeps."""
+    return all(character.isspace() or unicodedata.category(character) == "Cf" for character in text)
 
 
 class SkipRow(Exception):
@@ -118,7 +125,7 @@ def _openai_messages(value: Any, field: str, where: str, dropped: Counter) -> li
         if "content" not in message and not calls_tools:
             raise PipelineError(f"{where}: '{name}' has no 'content'")
         text = _content(message, name, where) if "content" in message else ""
-        if calls_tools and not text.strip():
+        if calls_tools and is_blank(text):
             dropped["assistant turn with only tool calls"] += 1
             continue
         messages.append({"role": role, "content": text})

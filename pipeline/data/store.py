@@ -155,22 +155,29 @@ def read_shard_entry(path: Path) -> dict:
     return {"file": path.name, "sha256": sha256_file(path), "sample_ids": sample_ids, "num_tokens": num_tokens}
 
 
-def scan_shards(store_dir: Path, known: dict[str, dict] | None = None, verify_known: bool = True) -> list[dict]:
-    """Entries for every complete shard on disk. A shard `known` lists (by file name, such as the last manifest's)
-    keeps that entry once it is whole (check_shard_whole) and, with `verify_known`, still has that sha256 (a
-    shard changed in place is not counted as captured); any other is read from its own header. Raises
-    PipelineError naming a damaged shard."""
+def scan_shards(store_dir: Path, known: dict[str, dict] | None = None) -> list[dict]:
+    """Entries for every complete shard on disk; reuse `known` entries (by file name) instead of re-hashing, once the
+    file is still whole (check_shard_whole). Raises PipelineError naming a damaged shard."""
     known = known or {}
     entries = []
     for path in sorted(store_dir.glob(SHARD_GLOB)):
         if path.name in known:
             check_shard_whole(path)
-            if verify_known and sha256_file(path) != known[path.name]["sha256"]:
-                raise PipelineError(CORRUPT_SHARD.format(path) + RECAPTURE)
             entries.append(known[path.name])
         else:
             entries.append(read_shard_entry(path))  # checks the shard whole too
     return entries
+
+
+def entries_still_current(store_dir: Path, manifest: dict | None) -> dict[str, dict]:
+    """The manifest's shard entries by file name, less those of shards written after the manifest: a shard
+    captured again under its old name (a name is its sample ids' hash) by a run stopped before it wrote the
+    manifest holds other bytes than the entry's sha256, and is read afresh."""
+    if manifest is None:
+        return {}
+    written = (store_dir / MANIFEST).stat().st_mtime_ns
+    return {entry["file"]: entry for entry in manifest.get("shards", [])
+            if not (store_dir / entry["file"]).is_file() or (store_dir / entry["file"]).stat().st_mtime_ns <= written}
 
 
 def load_manifest(store_dir: Path) -> dict | None:

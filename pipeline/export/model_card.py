@@ -102,9 +102,9 @@ def lineage_section(lineage: dict[str, Any]) -> list[str]:
 
 def serve_commands(export_config: dict, export_dir: str, num_speculative_tokens: int,
                    registry: Optional[tuple[str, str]]) -> list[str]:
-    """Shell commands serving the export: plain `vllm serve` with it as the speculator, and the pipeline's Ray
-    Serve job on the registered version (`registry` = (name, version); left out when None). Returns the
-    commands; raises KeyError when the export's config.json lacks its type or verifier."""
+    """Shell lines serving the export: plain `vllm serve` with it as the speculator, and (after a comment line on
+    the promotion gate) the pipeline's Ray Serve job on the registered version (`registry` = (name, version); left
+    out when None). Returns the lines; raises KeyError when the export's config.json lacks its type or verifier."""
     verifier = export_config["speculators_config"]["verifier"]["name_or_path"]
     speculative = {"model": export_dir, "num_speculative_tokens": num_speculative_tokens,
                    **speculative_method(export_config["speculators_model_type"])}
@@ -119,11 +119,17 @@ def serve_commands(export_config: dict, export_dir: str, num_speculative_tokens:
 GATE_HEADING = "## Promotion gate"
 
 
+def without_gate_decision(card: str) -> str:
+    """The card as the export wrote it: without the section a promote stage added (with_gate_decision)."""
+    head, found, _ = card.rpartition(f"\n{GATE_HEADING}\n")
+    return head.rstrip("\n") + "\n" if found else card
+
+
 def with_gate_decision(card: str, name: str, version: str, promoted: bool, reason: str, alias: str) -> str:
     """The registered version's card with the gate's decision as its last section, replacing the one an earlier
     promote stage wrote: a refused version's card says that `jobs/serve.py` needs serving.allow_unpromoted=true.
     Returns markdown."""
-    kept = card.split(f"\n{GATE_HEADING}\n", 1)[0].rstrip("\n")
+    kept = without_gate_decision(card).rstrip("\n")
     model = shlex.quote(f"serving.model=models:/{name}/{version}")
     if promoted:
         lines = [f"Promoted as `{alias}` ({reason}); a better version may hold the alias since."]

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from pipeline.checkpoint import load_checkpoint
 from pipeline.context import Context
 from pipeline.evaluation.gate import tau_tag
-from pipeline.export.model_card import CARD_FILE, model_card
+from pipeline.export.model_card import CARD_FILE, model_card, without_gate_decision
 from pipeline.export.speculators_format import export_digest, export_speculators
 from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import seal
@@ -99,7 +99,8 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     card = model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
                       (registered.name, registered.version) if registered else None)
     if registered and not registered.created:  # the reused version's own card: its labels and lineage
-        card = ctx.tracking("export").version_description(registered.name, registered.version) or card
+        card = without_gate_decision(ctx.tracking("export").version_description(registered.name,
+                                                                                 registered.version)) or card
     if tracked:
         _publish(ctx, folder, card, registered)
     else:

@@ -14,6 +14,7 @@ import datasets
 from pipeline.context import Context
 from pipeline.data.chat import chat_template_hash, tokenizer_fingerprint
 from pipeline.data.store import (
+    entries_still_current,
     load_manifest,
     projected_store_bytes,
     remove_stale_temporaries,
@@ -105,7 +106,7 @@ def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:
     stale = remove_stale_temporaries(store)
     if stale:
         log.warning("capture: removed %d half-written shards left by an interrupted run", stale)
-    stored = scan_shards(store, {s["file"]: s for s in (previous or {}).get("shards", [])})
+    stored = scan_shards(store, entries_still_current(store, previous))
     done = {sid for shard in stored for sid in shard["sample_ids"]}
     todo = [{"sample_id": r["sample_id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
             for r in regenerated if r["sample_id"] not in done]
@@ -117,7 +118,7 @@ def run_capture(ctx: Context, regenerated: datasets.Dataset) -> dict:
     log.info("capture: %d samples already stored, %d to capture into %s", len(done), len(todo), store)
     throughput = _capture_missing(ctx, todo, layer_ids, store) if todo else {}
     # those just checked keep their entries; a shard captured now is read, even one with an old shard's name
-    shards = scan_shards(store, {s["file"]: s for s in stored}, verify_known=False)
+    shards = scan_shards(store, {s["file"]: s for s in stored})
     check_each_once([sid for shard in shards for sid in shard["sample_ids"]],
                      {r["sample_id"] for r in regenerated}, "store")
     manifest = write_manifest(store, shards, {

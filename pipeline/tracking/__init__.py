@@ -362,8 +362,13 @@ class Tracker:
         try:
             yield run_id
             status = "FINISHED"
-        except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM (runner._stopped): stopped, not failed
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (runner._stopped): stopped, not failed
             status = "KILLED"
+            raise
+        except SystemExit:  # ray.get's exit after our SIGTERM handler ran, or a real exit
+            from pipeline.cluster import sigterm_received
+
+            status = "KILLED" if sigterm_received() else "FAILED"
             raise
         finally:
             self._active.pop()

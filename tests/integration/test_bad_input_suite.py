@@ -732,7 +732,7 @@ def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, t
     ("pipeline", ["stages=[prompts]", "data.path={empty}"], r"data\.path: the prompt file '.*empty\.jsonl' is empty"),
     ("generate", ["data.path={broken}"], r"data\.path: line 2 of '.*broken\.jsonl' .*"),
     ("pipeline", ["stages=[prompts]", "data.path={one}"], r"data\.num_train \+ data\.num_eval = \d+ but the source "
-                                                         r"has only 1 distinct usable conversations \("),
+                                                         r"has only 1 distinct usable conversations \(.*\)"),
     ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{empty}'}}"],
      r"evaluation\.sets\.mine\.path: the prompt file '.*empty\.jsonl' is empty"),
     ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{unusable}'}}"],

@@ -73,21 +73,23 @@ def test_a_truncated_or_stray_shard_is_never_counted_as_captured(tmp_path):
         scan_shards(tmp_path)
 
 
-def test_a_shard_changed_in_place_is_not_counted_as_captured_and_a_recaptured_one_gets_its_own_sha256(tmp_path):
-    """A shard of the right size whose bytes changed kept its manifest entry (the store then failed every train
-    run); one deleted and captured again under its old name kept the old sha256 (the repaired store was refused)."""
-    from pipeline.data.store import read_shard_entry, scan_shards
+def test_a_shard_written_again_after_the_manifest_is_read_afresh_not_taken_at_its_old_sha256(tmp_path):
+    """A shard captured again under its old name (the name is its sample ids' hash) by a run stopped before it
+    wrote the manifest kept the old entry: the store it then wrote failed every train run as corrupt."""
+    import os
 
-    shard = _shard(tmp_path / "shard-00000000000000aa.safetensors")
-    entry = read_shard_entry(shard)
-    data = bytearray(shard.read_bytes())
-    data[-4:] = b"\x01\x02\x03\x04"  # inside the tensor data: the size still matches the header
-    shard.write_bytes(bytes(data))
-    with pytest.raises(PipelineError, match=rf"^store: shard '{shard}' does not match its sha256 in the manifest "
-                                            r"\(corrupt\); delete it and rerun jobs/generate\.py with this config"):
-        scan_shards(tmp_path, {shard.name: entry})
-    assert scan_shards(tmp_path, {shard.name: entry}, verify_known=False) == [entry]  # checked earlier in the run
-    assert scan_shards(tmp_path)[0]["sha256"] == read_shard_entry(shard)["sha256"] != entry["sha256"]
+    from pipeline.data.store import MANIFEST, entries_still_current, read_shard_entry, scan_shards
+
+    kept, again = _shard(tmp_path / "shard-00000000000000aa.safetensors"), _shard(
+        tmp_path / "shard-00000000000000bb.safetensors")
+    manifest = {"shards": [read_shard_entry(kept), {**read_shard_entry(again), "sha256": "0" * 64}]}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    written = (tmp_path / MANIFEST).stat().st_mtime_ns
+    os.utime(kept, ns=(written - 10**9, written - 10**9))
+    os.utime(again, ns=(written + 10**9, written + 10**9))  # captured again after the manifest
+    current = entries_still_current(tmp_path, manifest)
+    assert list(current) == [kept.name] and entries_still_current(tmp_path, None) == {}
+    assert scan_shards(tmp_path, current)[1]["sha256"] == read_shard_entry(again)["sha256"] != "0" * 64
 
 
 @pytest.mark.parametrize("tensors, metadata", [({"x": torch.zeros(2)}, None),

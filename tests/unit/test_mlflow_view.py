@@ -18,7 +18,7 @@ from pipeline.context import Context
 from pipeline.drafters.build import build_drafter
 from pipeline.errors import PipelineError
 from pipeline.export import stage as export_stage
-from pipeline.export.model_card import model_card, with_gate_decision
+from pipeline.export.model_card import model_card, with_gate_decision, without_gate_decision
 from pipeline.export.speculators_format import export_digest
 from pipeline.integrity import seal
 from pipeline.paths import StagePaths
@@ -174,12 +174,14 @@ def test_each_version_carries_the_card_the_export_folder_holds(export):
 def test_registering_the_same_export_twice_yields_one_version(export):
     ctx, run = export
     first = run(report())
+    name = first["registered_model"]
+    card = ctx.tracker.client.get_model_version(name, first["version"]).description
+    ctx.tracker.describe_version(name, first["version"],  # as a promote stage leaves it
+                                 with_gate_decision(card, name, first["version"], False, "tau too low", "champion"))
     ctx.cfg.data.name = "relabelled"  # a label only: the same export, whose folder keeps the version's card
     again = run(report())
     assert (again["version"], again["reused"]) == (first["version"], True) and not first["reused"]
-    name = first["registered_model"]
-    card = ctx.tracker.client.get_model_version(name, first["version"]).description
-    assert (ctx.paths.export / "README.md").read_text() == card and "relabelled" not in card
+    assert (ctx.paths.export / "README.md").read_text() == card and "relabelled" not in card  # without the gate's
     assert len(ctx.tracker.client.search_model_versions(f"name = '{name}'")) == 1
     export_runs = ctx.tracker.client.search_runs([ctx.tracker.experiment_id], "tags.stage = 'export'")
     assert sorted(r.data.tags["registry.reused"] for r in export_runs) == ["False", "True"]
@@ -221,3 +223,4 @@ def test_the_cards_gate_section_says_how_a_refused_version_is_served_and_is_repl
     assert promoted.endswith("## Promotion gate\n\nPromoted as `champion` (first champion (tau 1.300)); a better "
                              "version may hold the alias since.\n")
     assert promoted.startswith(card.rstrip("\n"))
+    assert without_gate_decision(promoted) == without_gate_decision(refused) == without_gate_decision(card) == card

@@ -41,15 +41,19 @@ def test_jsonl_rows_become_deduplicated_conversations(prompts_jsonl):
     assert prompts[12]["messages"] == [{"role": "user", "content": "Say hello in French."}]
 
 
-def test_conversations_with_the_same_user_turns_are_one_prompt(tmp_path):
-    """Two answers to one prompt were two conversations: one could land in the held-out split and the other in
-    training (the verifier answers both again), so held-out tau measured trained prompts."""
+def test_no_training_conversation_asks_what_a_held_out_one_asks(tmp_path):
+    """Two answers to one prompt are two conversations (both are trained on under generation.responses=keep): one
+    landed in the held-out split and the other in training, and held-out tau measured a trained prompt."""
     rows = [{"messages": [{"role": "user", "content": f"q{i % 4}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(8)]
     prompts = load_prompts(data_cfg(path=str(write_jsonl(tmp_path / "p.jsonl", rows))))
-    assert [m["messages"][1]["content"] for m in prompts] == ["a0", "a1", "a2", "a3"]  # the first of each kept
-    train, held_out = split_prompts(prompts, data_cfg(num_train=2, num_eval=2))
-    assert not {m["messages"][0]["content"] for m in train} & {m["messages"][0]["content"] for m in held_out}
+    assert len(prompts) == 8  # the same user turns with another answer is another conversation
+    train, held_out = split_prompts(prompts, data_cfg(num_train=4, num_eval=2))
+    asked = {m["messages"][0]["content"] for m in held_out}
+    assert len(train) == 4 and not asked & {m["messages"][0]["content"] for m in train}
+    with pytest.raises(PipelineError, match=r"^data\.num_train: 5 but the source has only 4 conversations that ask "
+                                            r"none of the 2 held-out prompts"):
+        split_prompts(prompts, data_cfg(num_train=5, num_eval=2))
 
 
 def test_parquet_source(tmp_path):

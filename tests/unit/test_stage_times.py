@@ -123,3 +123,30 @@ def test_a_stage_stopped_by_ctrl_c_leaves_killed_runs_not_failed_ones(store, mon
     assert parent.info.status == "KILLED"
     assert sorted((c.data.tags["stage"], c.info.status) for c in children) == [("evaluate", "FINISHED"),
                                                                               ("export", "KILLED")]
+
+
+def test_a_job_lets_go_of_each_stages_lock_once_the_stage_is_done(store, monkeypatch):
+    """Held to the job's end, the lock of a finished stage refused another config's job that shares it (another
+    drafter on the same store) for as long as this job trained and evaluated."""
+    from pipeline.locks import stage_lock
+    from pipeline.paths import StagePaths
+
+    cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-locks"])
+    paths = StagePaths(cfg)
+    free = {}
+
+    def export(ctx, results, run_id):
+        for stage in ("evaluate", "promote"):
+            try:
+                with stage_lock(paths.root, stage, paths.stage_key(stage)):
+                    free[stage] = True
+            except PipelineError:
+                free[stage] = False
+        return run_id
+
+    monkeypatch.setitem(stages.STAGES, "evaluate", sleeper(0.01))
+    monkeypatch.setitem(stages.STAGES, "export", export)
+    monkeypatch.setitem(stages.STAGES, "promote", sleeper(0.01))
+    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
+    runner.run_stages(cfg, "evaluate", ["evaluate", "export", "promote"])
+    assert free == {"evaluate": True, "promote": False}  # done: let go; still to run: held
