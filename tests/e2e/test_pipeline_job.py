@@ -10,6 +10,7 @@ import mlflow
 import pytest
 
 from pipeline.config.schema import STAGE_NAMES
+from pipeline.export.model_card import without_gate_decision
 from tests.e2e.conftest import DEFAULT_RUN_OVERRIDES, run_pipeline
 
 # with test_vllm_generation.py's test on the same run: one xdist worker runs the default pipeline once
@@ -82,7 +83,9 @@ def test_default_pipeline_is_served_by_vllm_as_measured_and_becomes_champion(def
     assert outputs["parents"][-1].info.run_name.startswith("pipeline · SmolLM2-135M-Instruct · peagle K=4")
     card = next(default_run.glob("export/*")) / "README.md"
     assert f"{report['datasets']['held_out']['pooled_tau']:.3f}" in card.read_text()
-    assert champion.description == card.read_text()
+    # the registered card is the export's, plus what the gate decided (the promote stage adds it)
+    assert without_gate_decision(champion.description) == card.read_text()
+    assert "\n## Promotion gate\n\nPromoted as `champion` (first champion (tau " in champion.description
 
 
 @pytest.mark.slow
