@@ -96,11 +96,12 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     if registered:
         result.update({"registered_model": registered.name, "version": registered.version,
                        "reused": not registered.created})
-    card = model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
-                      (registered.name, registered.version) if registered else None)
+    card = ""
     if registered and not registered.created:  # the reused version's own card: its labels and lineage
         card = without_gate_decision(ctx.tracking("export").version_description(registered.name,
-                                                                                 registered.version)) or card
+                                                                                 registered.version))
+    card = card or model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
+                              (registered.name, registered.version) if registered else None)
     if tracked:
         _publish(ctx, folder, card, registered)
     else:

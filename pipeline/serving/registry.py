@@ -46,8 +46,7 @@ def check_model_uri(uri: str) -> None:
 def pinned_uri(uri: str, version: str) -> str:
     """`models:/<name>/<version>` for a registry URI (an alias or a version) and the version it resolved to."""
     model = MODEL_URI.match(uri)
-    if not model:
-        raise PipelineError(f"serving.model: '{uri}' is not a registry URI (models:/...) to pin to a version")
+    assert model is not None, uri  # only a registry URI resolves to a version
     return f"models:/{model['name']}/{version}"
 
 
