@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from pipeline.config import register_configs
 from pipeline.logs import setup_job_logging
 from pipeline.runner import run_hydra_main
-from pipeline.serving.job import run_serve
+from pipeline.serving.job import STOPPED_SERVING, run_serve
 
 register_configs()
 
@@ -23,4 +23,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra_main(main)
+    run_hydra_main(main, stopped=STOPPED_SERVING)

@@ -183,11 +183,15 @@ INTERRUPTED = 130  # the shell's exit status for a process ended by SIGINT
 TERMINATED = 143  # and by SIGTERM
 
 
-def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int:
+# what a stopped job says it kept: the stage jobs'; jobs/serve.py says its own
+KEPT_AND_RESUMES = "finished stages and checkpoints are kept, and the same command resumes"
+
+
+def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None, stopped: str = KEPT_AND_RESUMES) -> int:
     """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input (INTERRUPTED on
     Ctrl-C, TERMINATED on SIGTERM where stop_cleanly_on_sigterm ran, each with a line saying so), and the local Ray
     it started stopped either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
-    (remove_unused_hydra_run_folder)."""
+    (remove_unused_hydra_run_folder). `stopped` ends the line of a stopped job: what it kept and how to go on."""
     try:
         action()
     except PipelineError as error:
@@ -196,30 +200,29 @@ def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None) -> int
             remove_unused_hydra_run_folder(cfg)
         return 2
     except KeyboardInterrupt:
-        return _stopped()
+        return _stopped(stopped)
     except SystemExit:
         if not sigterm_received():
             raise
-        return _stopped()  # ray.get's SystemExit after our SIGTERM handler raised in its wait
+        return _stopped(stopped)  # ray.get's SystemExit after our SIGTERM handler raised in its wait
     finally:
         shutdown_if_started_here()
     return 0
 
 
-def _stopped() -> int:
-    """Say what stopped the job and return its exit code. Told by the SIGTERM handler's flag, not the exception's
-    class: ray.get turns the handler's Terminated into a plain KeyboardInterrupt (or SystemExit)."""
+def _stopped(what_next: str) -> int:
+    """Say what stopped the job, then `what_next`, and return its exit code. Told by the SIGTERM handler's flag, not
+    the exception's class: ray.get turns the handler's Terminated into a plain KeyboardInterrupt (or SystemExit)."""
     terminated = sigterm_received()
-    print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; finished stages and "
-          "checkpoints are kept, and the same command resumes", file=sys.stderr)
+    print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; {what_next}", file=sys.stderr)
     return TERMINATED if terminated else INTERRUPTED
 
 
-def run_hydra_main(main: Callable[[], Any]) -> None:
+def run_hydra_main(main: Callable[[], Any], stopped: str = KEPT_AND_RESUMES) -> None:
     """Call a jobs/*.py `@hydra.main` function. A config Hydra cannot compose (an unknown key, a wrong type, a
     group option that does not exist, a group set to null, an override it cannot parse) is one line naming the key
     and exit code 2, like every other bad input; Hydra alone prints several lines and exits 1. HYDRA_FULL_ERROR=1
-    set by the user keeps Hydra's full report."""
+    set by the user keeps Hydra's full report. `stopped`: as run_guarded's."""
     import os
 
     from hydra.errors import CompactHydraException
@@ -247,7 +250,7 @@ def run_hydra_main(main: Callable[[], Any]) -> None:
         _remove_records_of_sweeps_that_ran_nothing(sys.argv[1:], started)
         sys.exit(2)
     except KeyboardInterrupt:  # before run_guarded's try (Hydra composing) or in its cleanup
-        sys.exit(_stopped())
+        sys.exit(_stopped(stopped))
     except OSError as error:
         if not _raised_making_hydras_run_folder(error):
             raise

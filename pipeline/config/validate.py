@@ -423,6 +423,8 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def _validate_serving(serving: DictConfig) -> None:
     for key in ("port", "metrics_port"):
         _require(1 <= serving[key] <= 65535, f"serving.{key}: must be a TCP port (1..65535)")
+    _require(serving.metrics_port != serving.port, f"serving.metrics_port: {serving.metrics_port} is serving.port's "
+                                                   "too; Ray's metrics endpoint needs a port of its own")
     _require(serving.tensor_parallel_size >= 1, "serving.tensor_parallel_size: must be >= 1")
     _require_fraction(serving.memory_fraction, "serving.memory_fraction")
     _require(serving.max_model_len >= 1, "serving.max_model_len: must be >= 1")

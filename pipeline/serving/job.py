@@ -138,6 +138,58 @@ def _check_registry_exists(cfg: DictConfig) -> None:
                             "the pipeline with this paths.root first, or set tracking.tracking_uri")
 
 
+# what a serve job stopped before it served says (one stopped while serving ends cleanly: "serve: stopping", 0)
+STOPPED_SERVING = "nothing is served; the same command starts serving again"
+
+
+def _starts_local_ray(cfg: DictConfig) -> bool:
+    """Whether this job starts its own Ray (and so its Serve proxy and metrics endpoint) on this machine."""
+    import os
+
+    from pipeline.cluster import running_local_cluster
+
+    return not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) and running_local_cluster() is None
+
+
+def _port_in_use(host: str, port: int, field: str) -> bool:
+    """Whether a server already listens where one would bind host:port (SO_REUSEADDR, as uvicorn and Ray bind:
+    a port in TIME_WAIT is free). Raises PipelineError naming `field` when host:port cannot be bound here at all
+    (a host that is not this machine's)."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise PipelineError(f"{field}: cannot listen on {host}:{port} here ({error.strerror or error})") from None
+    return False
+
+
+def check_local_serving(cfg: DictConfig) -> None:
+    """What the Ray this job starts would only find out after Ray and Serve are up (tens of seconds, then a Ray
+    traceback): the endpoint's and the metrics endpoint's ports are free, and the API key's variable is set (the
+    app reads it on this machine). Nothing is checked for a Ray cluster the job joins: its nodes hold those.
+    Raises PipelineError naming the field."""
+    import os
+
+    if not _starts_local_ray(cfg):
+        return
+    serving = cfg.serving
+    if _port_in_use(serving.host, serving.port, "serving.host"):
+        raise PipelineError(f"serving.port: {serving.host}:{serving.port} is in use by another server; stop it or "
+                            "pick another port")
+    # Ray's metrics agent binds every interface (Ray never takes a loopback address for its node)
+    if _port_in_use("0.0.0.0", serving.metrics_port, "serving.metrics_port"):
+        raise PipelineError(f"serving.metrics_port: port {serving.metrics_port} is in use by another server; stop "
+                            "it or pick another port")
+    if serving.api_key_env and not os.environ.get(serving.api_key_env):
+        raise PipelineError(f"serving.api_key_env: the environment variable {serving.api_key_env} is not set")
+
+
 def run_serve(cfg: DictConfig) -> int:
     """Entry point for jobs/serve.py."""
     from pipeline.cluster import check_fits_local_ray
@@ -148,6 +200,7 @@ def run_serve(cfg: DictConfig) -> int:
         validate(cfg)
         _check_registry_exists(cfg)
         check_fits_local_ray(cfg, ["serve"])
+        check_local_serving(cfg)
         serve(Context.create(cfg))
 
-    return run_guarded(validated_serve, cfg)
+    return run_guarded(validated_serve, cfg, stopped=STOPPED_SERVING)

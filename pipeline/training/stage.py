@@ -113,11 +113,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     manifest = verify_store(store)
     spec = _spec(ctx, manifest)
     cfg = ctx.cfg
-    trainable = manifest["num_samples"] - cfg.training.val_samples
-    if trainable < cfg.training.num_workers:
-        raise PipelineError(f"training.num_workers: {cfg.training.num_workers} workers but the store has only "
-                            f"{trainable} samples to train on ({manifest['num_samples']} less "
-                            f"training.val_samples={cfg.training.val_samples} held out)")
+    check_samples_to_train(manifest["num_samples"], cfg.training.val_samples, cfg.training.num_workers)
     if damaged is not None:  # only once the store can train it again; kept aside, since a user's files may be in it
         _set_aside(final, damaged)
     training, deepspeed, drafter = (OmegaConf.to_object(group) for group in (cfg.training, cfg.deepspeed, cfg.drafter))
@@ -161,6 +157,18 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
     if score is not None:
         ctx.log_metrics({"train.best_step": state["step"], f"train.best_{select_by.replace('.', '_')}": score})
     return _recorded(ctx, final)
+
+
+def check_samples_to_train(num_samples: int, val_samples: int, num_workers: int) -> None:
+    """Every worker needs a sample of the store's `num_samples` that training.val_samples does not hold out.
+    Raises PipelineError naming the setting that asks for too many."""
+    trainable = num_samples - val_samples
+    if trainable < 1:
+        raise PipelineError(f"training.val_samples: {val_samples} held out of a store of {num_samples} samples "
+                            "leaves none to train on")
+    if trainable < num_workers:
+        raise PipelineError(f"training.num_workers: {num_workers} workers but the store has only {trainable} "
+                            f"samples to train on ({num_samples} less training.val_samples={val_samples} held out)")
 
 
 def _recorded(ctx: Context, final: Path, reused: bool = False) -> Path:

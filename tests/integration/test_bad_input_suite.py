@@ -130,6 +130,7 @@ OVERRIDES = [
     ("evaluation.vllm.kv_cache_gb=0", "evaluation.vllm.kv_cache_gb: must be > 0"),
     ("evaluation.vllm.timeout_s=0", "evaluation.vllm.timeout_s: must be >= 1"),
     ("serving.metrics_port=0", "serving.metrics_port: must be a TCP port"),
+    ("serving.metrics_port=8000", "serving.metrics_port: 8000 is serving.port's too"),
     ("cluster.local_num_cpus=0", "cluster.local_num_cpus: must be >= 1"),
     # a K no sample can train: it failed only on memory when the drafter was built
     ("drafter.num_speculative_tokens=100000", "drafter.num_speculative_tokens: 100000 must be below "

@@ -272,6 +272,72 @@ def test_bad_serving_settings_are_refused_by_name(tmp_path):
         validate(compose([f"paths.root={tmp_path}", "serving.model=champion"]))
 
 
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """This job would start its own Ray: no address given and no `ray start` cluster on the machine."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("pipeline.cluster.running_local_cluster", lambda: None)
+
+
+@pytest.mark.parametrize("field", ["serving.port", "serving.metrics_port"])
+def test_a_port_another_server_holds_is_refused_by_name_before_ray_starts(tmp_path, no_cluster, field):
+    """Ray Serve (serving.port) and Ray's metrics agent (serving.metrics_port, every interface) failed with a Ray
+    traceback after Ray and Serve had started."""
+    import socket
+
+    from pipeline.serving.job import check_local_serving
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        taken = server.getsockname()[1]
+        other = free_port_but(taken)
+        ports = {"serving.port": taken, "serving.metrics_port": other} if field == "serving.port" else {
+            "serving.port": other, "serving.metrics_port": taken}
+        cfg = compose([f"paths.root={tmp_path}", *(f"{k}={v}" for k, v in ports.items())])
+        with pytest.raises(PipelineError, match=rf"^{field}: .*{taken} is in use by another server; stop it or pick "
+                                                "another port$"):
+            check_local_serving(cfg)
+    check_local_serving(cfg)  # free again
+
+
+def free_port_but(taken: int) -> int:
+    from pipeline.serving.process import free_port
+
+    return next(port for port in iter(free_port, None) if port != taken)
+
+
+def test_a_host_that_is_not_this_machines_and_an_unset_key_variable_are_refused_by_name(tmp_path, no_cluster,
+                                                                                      monkeypatch):
+    from pipeline.serving.job import check_local_serving
+
+    ports = [f"serving.port={free_port_but(0)}", f"serving.metrics_port={free_port_but(0)}"]
+    with pytest.raises(PipelineError, match=r"^serving.host: cannot listen on 203\.0\.113\.77:\d+ here"):
+        check_local_serving(compose([f"paths.root={tmp_path}", *ports, "serving.host=203.0.113.77",
+                                     "serving.api_key_env=SOME_KEY"]))
+    monkeypatch.delenv("UNSET_SPECULATOR_KEY", raising=False)
+    unset = compose([f"paths.root={tmp_path}", *ports, "serving.api_key_env=UNSET_SPECULATOR_KEY"])
+    with pytest.raises(PipelineError, match="^serving.api_key_env: the environment variable UNSET_SPECULATOR_KEY is "
+                                            "not set$"):
+        check_local_serving(unset)
+    monkeypatch.setenv("UNSET_SPECULATOR_KEY", "k")
+    check_local_serving(unset)
+
+
+def test_a_cluster_the_job_joins_holds_its_own_ports_and_key(tmp_path, monkeypatch):
+    import socket
+
+    from pipeline.serving.job import check_local_serving
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    monkeypatch.delenv("UNSET_SPECULATOR_KEY", raising=False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_local_serving(compose([f"paths.root={tmp_path}", f"serving.port={server.getsockname()[1]}",
+                                     "serving.api_key_env=UNSET_SPECULATOR_KEY"]))
+
+
 def register_speculator(tracker, tmp_path, algorithm, tags, trained_k=None, shapes=None):
     """An exported folder logged by a run and registered as `m`, alias champion; returns the version. trained_k
     writes the speculators_config an export carries (its proposal's speculative_tokens); shapes (hidden, vocab,

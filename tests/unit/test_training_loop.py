@@ -194,6 +194,20 @@ def test_a_run_stopped_short_of_max_steps_is_not_taken_as_finished():
         check_run_finished({"step": 15}, 60)
 
 
+def test_a_store_too_small_for_the_held_out_samples_or_the_workers_names_the_setting():
+    from pipeline.training.stage import check_samples_to_train
+
+    check_samples_to_train(8, 6, 2)
+    with pytest.raises(PipelineError, match=r"^training.val_samples: 100 held out of a store of 8 samples leaves "
+                                            r"none to train on$"):
+        check_samples_to_train(8, 100, 2)
+    with pytest.raises(PipelineError, match=r"^training.val_samples: 8 held out"):
+        check_samples_to_train(8, 8, 1)
+    with pytest.raises(PipelineError, match=r"^training.num_workers: 2 workers but the store has only 1 samples to "
+                                            r"train on \(8 less training.val_samples=7 held out\)$"):
+        check_samples_to_train(8, 7, 2)
+
+
 def test_an_interrupted_job_says_so_and_exits_130(capsys):
     from pipeline.runner import INTERRUPTED, run_guarded
 
@@ -202,6 +216,19 @@ def test_an_interrupted_job_says_so_and_exits_130(capsys):
 
     assert run_guarded(interrupted) == INTERRUPTED == 130
     assert capsys.readouterr().err.startswith("error: interrupted (Ctrl-C); ")
+
+
+def test_a_serve_job_stopped_before_it_serves_says_what_it_kept(capsys):
+    """Not the stage jobs' "finished stages and checkpoints are kept": a serve job has neither."""
+    from pipeline.runner import INTERRUPTED, run_guarded
+    from pipeline.serving.job import STOPPED_SERVING
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_guarded(interrupted, stopped=STOPPED_SERVING) == INTERRUPTED
+    assert capsys.readouterr().err == ("error: interrupted (Ctrl-C); nothing is served; the same command starts "
+                                       "serving again\n")
 
 
 def test_sigterm_after_ray_starts_is_a_terminated_job_not_an_abort(capsys, monkeypatch):
