@@ -7,6 +7,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -26,6 +27,9 @@ MAX_PARAM_LENGTH = 6000
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 SEPARATOR = " · "
+# where and by which process a run was opened: a later job on the host ends the runs of a process that is gone
+HOST_TAG = "process.host"
+PID_TAG = "process.pid"
 
 
 # Query parameters that carry a secret (libpq's and SQLAlchemy's `password`, tokens, keys of object stores).
@@ -259,6 +263,16 @@ def _filter_literal(value: str) -> str:
     raise ValueError(f"{value!r} holds both quote characters: no MLflow search filter can name it")
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def client_for(uri: Optional[str]) -> Any:
     """An MlflowClient of the tracking server at `uri` (None: MLFLOW_TRACKING_URI's), for code that holds only the
     URI: a Ray worker, the serving job. Raises nothing until used."""
@@ -356,6 +370,7 @@ class Tracker:
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: dict[str, str]) -> Iterator[str]:
+        tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}  # who can still end it
         run_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
         self._active.append(run_id)
         status = "FAILED"
@@ -374,11 +389,32 @@ class Tracker:
             self._active.pop()
             self.client.set_terminated(run_id, status)
 
+    def _end_runs_of_gone_processes(self) -> None:
+        """A job killed outright (SIGKILL, out of memory) leaves its runs RUNNING for ever. Each run of this
+        experiment still RUNNING whose process, on this host, is gone is marked KILLED, with a `process.ended` tag
+        saying so. A run of another host, or whose process id is alive (or was taken again), is left alone."""
+        host = socket.gethostname()
+        try:
+            orphans = self.client.search_runs(
+                [self.experiment_id], f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = {_filter_literal(host)}",
+                max_results=1000)
+        except ValueError:  # a host name no filter can hold: nothing to end
+            return
+        for run in orphans:
+            pid = run.data.tags.get(PID_TAG, "")
+            if pid.isdigit() and not _process_alive(int(pid)):
+                self.client.set_tag(run.info.run_id, "process.ended", f"process {pid} was gone when a later job "
+                                                                      "started on this host")
+                self.client.set_terminated(run.info.run_id, "KILLED")
+                log.info("tracking: run %s (%s) of process %s, which is gone, marked KILLED", run.info.run_id,
+                         run.info.run_name, pid)
+
     @contextlib.contextmanager
     def parent_run(self, job: str) -> Iterator[str]:
         from mlflow.entities import Param
 
         tags = {**provenance_tags(), "job": job, "experiment": self.cfg.experiment}
+        self._end_runs_of_gone_processes()
         with self._run(parent_run_name(self.cfg, job), tags) as run_id:
             params = [Param(k, v) for k, v in flatten_config(self.cfg).items()]
             for start in range(0, len(params), 100):  # MLflow caps a batch at 100 params

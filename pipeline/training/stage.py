@@ -138,6 +138,7 @@ def run(ctx: Context, run_id: str | None = None) -> Path:
                         "among the run's checkpoints is not made again)", resume_from, point.step,
                         cfg.training.max_steps, cfg.training.select_best_by)
             copy_folder_atomic(resume_from, final)
+            ctx.log_metrics({"train.resumed_from_step": point.step})  # as a worker logs a resume: the lineage
             return _recorded(ctx, final)
         log.info("train: resuming from %s", resume_from)
         worker = dataclasses.replace(worker, resume_from=str(resume_from))

@@ -210,6 +210,7 @@ def test_a_final_checkpoint_made_from_the_runs_last_checkpoint_is_recorded_as_a_
         assert json.loads((final / "train_state.json").read_text())["step"] == STEPS
         assert train_run.data.tags["train.checkpoint"] == str(final) and train_run.data.tags["train.reused"] == "False"
         assert train_run.data.tags["train.key"] == StagePaths(reference_cfg).train_key
+        assert train_run.data.metrics["train.resumed_from_step"] == STEPS  # the lineage: which run trained it
         assert {a.path for a in client.list_artifacts(train_run.info.run_id, "checkpoint")} == {
             "checkpoint/spec.json", "checkpoint/drafter.safetensors", "checkpoint/train_state.json"}
     finally:

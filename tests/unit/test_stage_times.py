@@ -150,3 +150,34 @@ def test_a_job_lets_go_of_each_stages_lock_once_the_stage_is_done(store, monkeyp
     monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
     runner.run_stages(cfg, "evaluate", ["evaluate", "export", "promote"])
     assert free == {"evaluate": True, "promote": False}  # done: let go; still to run: held
+
+
+def test_runs_a_killed_job_left_running_are_ended_by_the_next_job_on_the_host(store, monkeypatch):
+    """`kill -9` (or the kernel's OOM killer) left a job's parent and stage runs RUNNING for ever. The next job on
+    the same host marks those of a process that is gone KILLED; a live process's run and another host's stay."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from pipeline.tracking import HOST_TAG, PID_TAG, Tracker
+
+    monkeypatch.setitem(stages.STAGES, "evaluate", sleeper(0.01))
+    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
+    cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-orphans"])
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone_pid = gone.stdout.strip()
+    client = Tracker(cfg).client
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id
+    here = socket.gethostname()
+    left = {name: client.create_run(experiment, run_name=name, tags={HOST_TAG: host, PID_TAG: pid}).info.run_id
+            for name, host, pid in [("killed", here, gone_pid), ("live", here, str(os.getpid())),
+                                    ("elsewhere", "another-host", gone_pid)]}
+    runner.run_stages(cfg, "evaluate", ["evaluate"])
+    status = {name: client.get_run(run_id) for name, run_id in left.items()}
+    assert status["killed"].info.status == "KILLED"
+    assert status["killed"].data.tags["process.ended"].startswith(f"process {gone_pid} was gone")
+    assert status["live"].info.status == status["elsewhere"].info.status == "RUNNING"
+    job = [r for r in client.search_runs([experiment]) if r.info.run_id not in left.values()]
+    assert {r.info.status for r in job} == {"FINISHED"}
+    assert {(r.data.tags[HOST_TAG], r.data.tags[PID_TAG]) for r in job} == {(here, str(os.getpid()))}
