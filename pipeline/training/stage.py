@@ -212,12 +212,13 @@ def _final_checkpoint(result, select_by: str | None):
     """(checkpoint, its `select_by` metric): the best validated checkpoint Ray Train kept, else the last one."""
     if select_by is None:
         return result.checkpoint, None
-    scored = [(metrics[select_by], checkpoint) for checkpoint, metrics in result.best_checkpoints or []
-              if select_by in metrics]
+    from pipeline.training.val_tau import ranking
+
+    scored = [(metrics, checkpoint) for checkpoint, metrics in result.best_checkpoints or [] if select_by in metrics]
     if not scored:
         return result.checkpoint, None
-    score, checkpoint = max(scored, key=lambda pair: pair[0])
-    return checkpoint, score
+    metrics, checkpoint = max(scored, key=lambda pair: ranking(pair[0], select_by))
+    return checkpoint, metrics[select_by]
 
 
 def _run_name(paths: StagePaths) -> str:

@@ -10,6 +10,7 @@ requests), greedy, at K = evaluation.num_speculative_tokens.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -67,17 +68,24 @@ class AcceptanceProbe:
         return {"val.tau": total.tau, "val.alpha_pos1": total.conditional_acceptance[0]}
 
 
+def ranking(metrics: dict, select_by: str) -> tuple[float, float, float]:
+    """How a checkpoint's reported `metrics` rank it by `select_by` (higher is better). A tie in val.tau (a few
+    short prompts often tie) goes to the better val.proxy_tau; any tie left to the later step."""
+    tie_break = metrics.get("val.proxy_tau", -math.inf) if select_by == "val.tau" else -math.inf
+    return metrics[select_by], tie_break, metrics.get("step", 0)
+
+
 def proxy_agreement(points: list[dict[str, float]]) -> dict[str, float]:
     """How well val.proxy_tau predicts val.tau across checkpoints ([{step, val.proxy_tau, val.tau}]): Spearman's
-    rank correlation (scipy; 0 with fewer than 3 checkpoints or a constant series) and the steps each would pick."""
+    rank correlation (scipy; left out where it is undefined: fewer than 3 checkpoints or a constant series) and
+    the step each would pick (as `ranking` picks)."""
     from scipy.stats import spearmanr
 
-    by_proxy = max(points, key=lambda p: p["val.proxy_tau"])
-    by_tau = max(points, key=lambda p: p["val.tau"])
-    rho = 0.0
+    by_proxy = max(points, key=lambda p: ranking(p, "val.proxy_tau"))
+    by_tau = max(points, key=lambda p: ranking(p, "val.tau"))
+    agreement = {"train.best_step_by_proxy_tau": by_proxy["step"], "train.best_step_by_val_tau": by_tau["step"],
+                 "train.val_tau_at_proxy_choice": by_proxy["val.tau"], "train.val_tau_best": by_tau["val.tau"]}
     proxies, taus = [p["val.proxy_tau"] for p in points], [p["val.tau"] for p in points]
     if len(points) >= 3 and len(set(proxies)) > 1 and len(set(taus)) > 1:
-        rho = float(spearmanr(proxies, taus).statistic)
-    return {"train.proxy_tau_spearman": rho, "train.best_step_by_proxy_tau": by_proxy["step"],
-            "train.best_step_by_val_tau": by_tau["step"], "train.val_tau_at_proxy_choice": by_proxy["val.tau"],
-            "train.val_tau_best": by_tau["val.tau"]}
+        agreement["train.proxy_tau_spearman"] = float(spearmanr(proxies, taus).statistic)
+    return agreement

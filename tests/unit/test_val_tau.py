@@ -23,9 +23,23 @@ def test_agreement_reports_the_rank_correlation_and_both_choices():
     assert agreement["train.val_tau_at_proxy_choice"] == 1.25 and agreement["train.val_tau_best"] == 1.3
 
 
-def test_too_few_or_constant_points_have_no_correlation():
+def test_too_few_or_constant_points_log_no_correlation_rather_than_a_made_up_zero():
     two = [{"step": 1, "val.proxy_tau": 1.0, "val.tau": 1.0}, {"step": 2, "val.proxy_tau": 2.0, "val.tau": 1.5}]
-    assert proxy_agreement(two)["train.proxy_tau_spearman"] == 0.0
+    assert "train.proxy_tau_spearman" not in proxy_agreement(two)
     flat = two + [{"step": 3, "val.proxy_tau": 3.0, "val.tau": 1.0}]
     flat = [{**p, "val.tau": 1.0} for p in flat]
-    assert proxy_agreement(flat)["train.proxy_tau_spearman"] == 0.0
+    agreement = proxy_agreement(flat)
+    assert "train.proxy_tau_spearman" not in agreement and agreement["train.best_step_by_proxy_tau"] == 3
+
+
+def test_a_val_tau_tie_goes_to_the_better_proxy_then_the_later_step():
+    """Tied at val.tau 1.0 (two short prompts), the first checkpoint was picked whatever the proxy said."""
+    from pipeline.training.val_tau import ranking
+
+    tied = [{"step": 3, "val.proxy_tau": 1.1, "val.tau": 1.0}, {"step": 6, "val.proxy_tau": 1.4, "val.tau": 1.0},
+            {"step": 9, "val.proxy_tau": 1.2, "val.tau": 1.0}]
+    assert max(tied, key=lambda m: ranking(m, "val.tau"))["step"] == 6
+    assert proxy_agreement(tied)["train.best_step_by_val_tau"] == 6
+    level = [{**m, "val.proxy_tau": 1.0} for m in tied]
+    assert max(level, key=lambda m: ranking(m, "val.tau"))["step"] == 9
+    assert max(level, key=lambda m: ranking(m, "val.proxy_tau"))["step"] == 9
