@@ -86,17 +86,20 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
     file of each eval set evaluated, a training.resume_from folder, and what a stage reads that an earlier stage
     makes when this job does not run that one (_made_before). Raises PipelineError naming the field or the
     stage."""
-    from pipeline.data.prompts import LOCAL_FILE_SOURCES, load_prompts, prompt_file, split_prompts
+    from pipeline.data.prompts import LOCAL_FILE_SOURCES, check_hub_dataset, load_prompts, prompt_file, split_prompts
     from pipeline.evaluation.eval_sets import read_named_set, set_config
     from pipeline.training.stage import own_latest_checkpoint
 
+    splits = {"prompts", "regenerate", "evaluate"} & set(stages) and not prompts_saved(paths.prompts)
     if cfg.data.source in LOCAL_FILE_SOURCES:  # every stage's key holds the file's digest (paths.py)
         prompt_file(cfg.data)
         # its contents too, while a stage of this job will split it (the stage reads it again, then logs what it
         # left out): an empty, malformed or too small file is refused before MLflow's store, a lock or a log
-        if {"prompts", "regenerate", "evaluate"} & set(stages) and not prompts_saved(paths.prompts):
+        if splits:
             with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
                 split_prompts(load_prompts(cfg.data), cfg.data)
+    elif cfg.data.source == "hub" and splits:
+        check_hub_dataset(str(cfg.data.path), "data.path")
     if "evaluate" in stages:
         for name in cfg.evaluation.datasets:
             if name in cfg.evaluation.sets:
@@ -105,6 +108,9 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
                     prompt_file(definition, f"evaluation.sets.{name}.path")
                     with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
                         read_named_set(name, cfg.evaluation)
+                # a finished report is reused without its sets read again: an offline rerun of an online evaluation
+                elif definition.source == "hub" and not (paths.evaluation / "report.json").is_file():
+                    check_hub_dataset(str(definition.path), f"evaluation.sets.{name}.path")
     resume_from = cfg.training.resume_from
     # read only when the run has neither its final checkpoint nor one of its own to continue (training/stage.py)
     if "train" in stages and resume_from and not (paths.final_checkpoint / "spec.json").is_file() \

@@ -98,6 +98,32 @@ def _humaneval_prompts() -> list[str]:
     return ["Complete this Python function:\n\n" + row["prompt"] for row in raw]
 
 
+def _in_local_caches(path: str) -> bool:
+    """Whether `datasets` or the hub client has kept a copy of hub dataset `path` on this machine (`datasets`
+    falls back to its copy when the hub is unreachable)."""
+    from huggingface_hub import constants
+
+    return (Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___")).is_dir() or \
+        (Path(constants.HF_HUB_CACHE) / f"datasets--{path.replace('/', '--')}").is_dir()
+
+
+def check_hub_dataset(path: str, field: str) -> None:
+    """Hub dataset `path` can be loaded: it is in a local cache, or the hub answers for it (one request, no
+    download). Raises PipelineError naming `field`: offline, a stage loading it failed only after 25 s of retries,
+    with the job's MLflow runs made."""
+    from huggingface_hub import HfApi, constants
+
+    if _in_local_caches(path):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise PipelineError(f"{field}: hub dataset '{path}' is not in the local cache, and HF_HUB_OFFLINE is set")
+    try:
+        HfApi().dataset_info(path, timeout=10)
+    except Exception as error:  # offline, unreachable, an unknown or gated id: the hub raises many types
+        raise PipelineError(f"{field}: hub dataset '{path}' is not in the local cache, and the hub did not give it "
+                            f"({type(error).__name__}: {first_line(error)[:200]})") from None
+
+
 def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str, dict]]:
     """(where, row) for every row of the source; `where` names the row in errors (a file's line number)."""
     source = data_cfg.source

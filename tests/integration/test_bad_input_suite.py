@@ -90,6 +90,34 @@ def test_a_missing_prompt_file_and_a_non_parquet_file_are_named(tmp_path, tiny_v
     assert "is not a readable Parquet file" in _error_line(capsys)
 
 
+@pytest.mark.parametrize("override, field", [("evaluation.datasets=[held_out,gsm8k]", "evaluation.sets.gsm8k.path"),
+                                             ("data=ultrachat", "data.path")])
+def test_a_hub_dataset_neither_cached_nor_reachable_is_named_before_any_stage_or_run(override, field, tmp_path,
+                                                                                       capsys, monkeypatch):
+    """Offline, `datasets` retried the hub for 25 s in the evaluate (or prompts) stage, after the job's MLflow runs
+    were made, and left them FAILED. Once cached, the same set passes the check (`datasets` reads its copy)."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "datasets")
+
+    def unreachable(self, repo_id, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(HfApi, "dataset_info", unreachable)
+    cfg = compose([f"paths.root={tmp_path}", override])
+    path = str(cfg.evaluation.sets.gsm8k.path if field.startswith("evaluation") else cfg.data.path)
+    assert run_job(cfg, "pipeline") == 2
+    assert _error_line(capsys) == (f"error: {field}: hub dataset '{path}' is not in the local cache, and the hub did "
+                                   "not give it (ConnectionError: Name or service not known)")
+    assert not (tmp_path / "mlflow").exists() and not (tmp_path / "prompts").exists()
+    (tmp_path / "datasets" / path.replace("/", "___")).mkdir(parents=True)
+    from pipeline.data.prompts import check_hub_dataset
+
+    check_hub_dataset(path, field)
+
+
 # (override, what the one line must say): refused before the first stage.
 OVERRIDES = [
     ("training.checkpoint_every=0", "training.checkpoint_every: must be >= 1"),
