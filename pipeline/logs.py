@@ -115,6 +115,28 @@ def setup_job_logging() -> None:
     install_noise_filters()
 
 
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """Put back the root logger's handlers and level after the block: importing ray.serve.llm replaces them with
+    one JSON handler on stderr (ray.llm's logging setup), which cut the job's own log file off mid-run."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        root.handlers = handlers
+        root.setLevel(level)
+
+
+def to_log_files(line: str) -> None:
+    """Write `line` (a job's last line, which goes to stderr with print) to the log files the job's logging writes
+    (Hydra's `<job>.log`), where one still exists. Returns None; raises nothing."""
+    record = logging.LogRecord("pipeline", logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and os.path.exists(handler.baseFilename):
+            handler.handle(record)
+
+
 def setup_ray_worker() -> None:
     """Ray's `worker_process_setup_hook`: installs the known-noise filters in each worker process of the job.
     Returns None; raises nothing."""

@@ -20,7 +20,7 @@ from pipeline.context import Context
 from pipeline.data.stage import prompts_saved
 from pipeline.errors import PipelineError
 from pipeline.locks import stage_lock
-from pipeline.logs import quieted, setup_job_logging
+from pipeline.logs import quieted, setup_job_logging, to_log_files
 from pipeline.paths import StagePaths
 from pipeline.stages import STAGES
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
@@ -204,6 +204,7 @@ def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None, stoppe
         print(f"error: {error}", file=sys.stderr)
         if cfg is not None:
             remove_unused_hydra_run_folder(cfg)
+        to_log_files(f"error: {error}")  # the log of a job that got as far as logging says how it ended
         return 2
     except KeyboardInterrupt:
         return _stopped(stopped)
@@ -220,7 +221,9 @@ def _stopped(what_next: str) -> int:
     """Say what stopped the job, then `what_next`, and return its exit code. Told by the SIGTERM handler's flag, not
     the exception's class: ray.get turns the handler's Terminated into a plain KeyboardInterrupt (or SystemExit)."""
     terminated = sigterm_received()
-    print(f"error: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; {what_next}", file=sys.stderr)
+    line = f"error: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; {what_next}"
+    print(line, file=sys.stderr)
+    to_log_files(line)
     return TERMINATED if terminated else INTERRUPTED
 
 

@@ -72,10 +72,13 @@ def start(config: dict) -> str:
     """Deploy the application on the local (or RAY_ADDRESS) Ray; returns the base URL."""
     from ray import serve
 
+    from pipeline.logs import root_logging_kept
+
     http = config["http_options"]
     serve.start(http_options={"host": http["host"], "port": http["port"]})
     app = config["applications"][0]
-    serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"], blocking=False)
+    with root_logging_kept():  # the job's log file and console format, past ray.serve.llm's import in build_app
+        serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"], blocking=False)
     return f"http://{http['host']}:{http['port']}"
 
 

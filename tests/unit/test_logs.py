@@ -192,3 +192,48 @@ def test_another_init_error_is_not_swallowed(monkeypatch):
     monkeypatch.setattr(ray, "init", init)
     with pytest.raises(ValueError, match="Invalid address"):
         cluster._connect("nowhere")
+
+
+SERVE_IMPORT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[logging.FileHandler(sys.argv[1])])
+from pipeline.logs import root_logging_kept
+with root_logging_kept():
+    import ray.serve.llm
+    print([type(handler).__name__ for handler in logging.getLogger().handlers])
+logging.getLogger("pipeline.serving.job").info("serving at http://127.0.0.1:8000/v1")
+"""
+
+
+def test_the_serve_jobs_log_file_survives_ray_serve_llms_import(tmp_path):
+    """ray.serve.llm's import replaces the root logger's handlers with its JSON one on stderr (printed from inside
+    the block): the serve job's log file stopped at "starting a local Ray"."""
+    import subprocess
+    import sys
+
+    log_file = tmp_path / "serve.log"
+    done = subprocess.run([sys.executable, "-c", SERVE_IMPORT, str(log_file)], check=True, capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.splitlines()[-1] == "['StreamHandler']"
+    assert "serving at http://127.0.0.1:8000/v1" in log_file.read_text()
+
+
+def test_a_jobs_error_line_reaches_its_log_file_too(tmp_path, capsys):
+    """The line went to stderr only: the log of a job that failed in a stage ended without saying why."""
+    from pipeline.errors import PipelineError
+    from pipeline.runner import run_guarded
+
+    handler = logging.FileHandler(tmp_path / "train.log")
+    logging.getLogger().addHandler(handler)
+    try:
+        def failing():
+            logging.getLogger("pipeline.runner").warning("stage train")
+            raise PipelineError("train: the Ray Train run failed: boom")
+
+        assert run_guarded(failing) == 2
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert capsys.readouterr().err == "error: train: the Ray Train run failed: boom\n"
+    assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith(
+        "error: train: the Ray Train run failed: boom")
