@@ -177,6 +177,9 @@ def test_ray_serve_serves_the_champion_like_the_plain_verifier(default_run, smol
             time.sleep(5)
         assert metrics.get("served.num_accepted_tokens", 0) > 0, metrics
         assert metrics["served.tau"] > 1.0
+    # the job's own log file goes on past Ray Serve LLM's start (its import replaced the root logger's handlers)
+    serve_logs = [path.read_text() for path in default_run.glob("hydra/*/*/serve.log")]
+    assert any(" is serving at http://127.0.0.1:" in text for text in serve_logs), serve_logs
 
 
 @pytest.mark.slow

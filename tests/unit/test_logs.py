@@ -194,26 +194,27 @@ def test_another_init_error_is_not_swallowed(monkeypatch):
         cluster._connect("nowhere")
 
 
-SERVE_IMPORT = """
+RAY_LLM_LOGGING_SETUP = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[logging.FileHandler(sys.argv[1])])
 from pipeline.logs import root_logging_kept
 with root_logging_kept():
-    import ray.serve.llm
+    from ray.llm._internal.serve.observability import setup_observability
+    setup_observability()  # what importing ray.serve.llm runs (tests/e2e's serve test reads the job's real log)
     print([type(handler).__name__ for handler in logging.getLogger().handlers])
 logging.getLogger("pipeline.serving.job").info("serving at http://127.0.0.1:8000/v1")
 """
 
 
-def test_the_serve_jobs_log_file_survives_ray_serve_llms_import(tmp_path):
+def test_the_serve_jobs_log_file_survives_ray_llms_logging_setup(tmp_path):
     """ray.serve.llm's import replaces the root logger's handlers with its JSON one on stderr (printed from inside
     the block): the serve job's log file stopped at "starting a local Ray"."""
     import subprocess
     import sys
 
     log_file = tmp_path / "serve.log"
-    done = subprocess.run([sys.executable, "-c", SERVE_IMPORT, str(log_file)], check=True, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", RAY_LLM_LOGGING_SETUP, str(log_file)], check=True,
+                          capture_output=True, text=True, timeout=300)
     assert done.stdout.splitlines()[-1] == "['StreamHandler']"
     assert "serving at http://127.0.0.1:8000/v1" in log_file.read_text()
 
