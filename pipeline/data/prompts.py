@@ -100,10 +100,14 @@ def _humaneval_prompts() -> list[str]:
 
 def _in_local_caches(path: str) -> bool:
     """Whether `datasets` or the hub client has kept a copy of hub dataset `path` on this machine (`datasets`
-    falls back to its copy when the hub is unreachable)."""
+    falls back to its copy when the hub is unreachable). `datasets` names its folder `<namespace>___<name in
+    snake_case>` (its builder's cache_dir), the hub client `datasets--<namespace>--<name>`."""
+    from datasets.naming import camelcase_to_snakecase
     from huggingface_hub import constants
 
-    return (Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___")).is_dir() or \
+    namespace, _, name = path.rpartition("/")
+    arrow_name = f"{namespace}___{camelcase_to_snakecase(name)}" if namespace else camelcase_to_snakecase(name)
+    return (Path(datasets.config.HF_DATASETS_CACHE) / arrow_name).is_dir() or \
         (Path(constants.HF_HUB_CACHE) / f"datasets--{path.replace('/', '--')}").is_dir()
 
 

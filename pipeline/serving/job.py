@@ -77,7 +77,9 @@ def start(config: dict) -> str:
     http = config["http_options"]
     serve.start(http_options={"host": http["host"], "port": http["port"]})
     app = config["applications"][0]
-    with root_logging_kept():  # the job's log file and console format, past ray.serve.llm's import in build_app
+    with root_logging_kept():  # its import replaces the root logger's handlers (ray.llm's logging setup, once)
+        import ray.serve.llm  # noqa: F401 - before build_app, so that build_app's log lines reach the job's log
+    with root_logging_kept():
         serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"], blocking=False)
     return f"http://{http['host']}:{http['port']}"
 
@@ -146,51 +148,54 @@ STOPPED_SERVING = "nothing is served; the same command starts serving again"
 
 
 def _starts_local_ray(cfg: DictConfig) -> bool:
-    """Whether this job starts its own Ray (and so its Serve proxy and metrics endpoint) on this machine."""
+    """Whether this job starts its own Ray (and so its Serve proxy and metrics endpoint) on this machine: no
+    cluster address (or `local`, which starts one too) and no `ray start` cluster here to join."""
     import os
 
     from pipeline.cluster import running_local_cluster
 
-    return not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) and running_local_cluster() is None
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    return address == "local" or (not address and running_local_cluster() is None)
 
 
-def _port_in_use(host: str, port: int, field: str) -> bool:
+def _port_in_use(host: str, port: int, host_field: str, port_field: str) -> bool:
     """Whether a server already listens where one would bind host:port (SO_REUSEADDR, as uvicorn and Ray bind:
-    a port in TIME_WAIT is free). Raises PipelineError naming `field` when host:port cannot be bound here at all
-    (a host that is not this machine's)."""
+    a port in TIME_WAIT is free). Raises PipelineError when host:port cannot be bound here at all, naming
+    `host_field` for a host that is not this machine's and `port_field` otherwise (a port below 1024 needs root)."""
     import errno
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                return True
-            raise PipelineError(f"{field}: cannot listen on {host}:{port} here ({error.strerror or error})") from None
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            return True
+        field = host_field if isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL else port_field
+        raise PipelineError(f"{field}: cannot listen on {host}:{port} here ({error.strerror or error})") from None
     return False
 
 
-def check_local_serving(cfg: DictConfig) -> None:
-    """What the Ray this job starts would only find out after Ray and Serve are up (tens of seconds, then a Ray
-    traceback): the endpoint's and the metrics endpoint's ports are free, and the API key's variable is set (the
-    app reads it on this machine). Nothing is checked for a Ray cluster the job joins: its nodes hold those.
+def check_serving_inputs(cfg: DictConfig) -> None:
+    """What the serve job would only find out after Ray and Serve are up (tens of seconds, then a Ray traceback):
+    the API key's variable is set (build_app reads it in this process), and, on a Ray this job starts itself, the
+    endpoint's and the metrics endpoint's ports are free (a cluster the job joins binds them on its own nodes).
     Raises PipelineError naming the field."""
     import os
 
+    serving = cfg.serving
+    if serving.api_key_env and not os.environ.get(serving.api_key_env):
+        raise PipelineError(f"serving.api_key_env: the environment variable {serving.api_key_env} is not set")
     if not _starts_local_ray(cfg):
         return
-    serving = cfg.serving
-    if _port_in_use(serving.host, serving.port, "serving.host"):
+    if _port_in_use(serving.host, serving.port, "serving.host", "serving.port"):
         raise PipelineError(f"serving.port: {serving.host}:{serving.port} is in use by another server; stop it or "
                             "pick another port")
     # Ray's metrics agent binds every interface (Ray never takes a loopback address for its node)
-    if _port_in_use("0.0.0.0", serving.metrics_port, "serving.metrics_port"):
+    if _port_in_use("0.0.0.0", serving.metrics_port, "serving.metrics_port", "serving.metrics_port"):
         raise PipelineError(f"serving.metrics_port: port {serving.metrics_port} is in use by another server; stop "
                             "it or pick another port")
-    if serving.api_key_env and not os.environ.get(serving.api_key_env):
-        raise PipelineError(f"serving.api_key_env: the environment variable {serving.api_key_env} is not set")
 
 
 def run_serve(cfg: DictConfig) -> int:
@@ -203,7 +208,7 @@ def run_serve(cfg: DictConfig) -> int:
         validate(cfg)
         _check_registry_exists(cfg)
         check_fits_local_ray(cfg, ["serve"])
-        check_local_serving(cfg)
+        check_serving_inputs(cfg)
         serve(Context.create(cfg))
 
     return run_guarded(validated_serve, cfg, stopped=STOPPED_SERVING)

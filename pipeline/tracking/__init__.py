@@ -27,9 +27,12 @@ MAX_PARAM_LENGTH = 6000
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 SEPARATOR = " · "
-# where and by which process a run was opened: a later job on the host ends the runs of a process that is gone
+# where and by which process a run was opened: a later job on the host ends the runs of a process that is gone.
+# The host's name is for people; process ids are compared only within one boot of one machine and one pid
+# namespace (two containers, or two machines, may share a host name).
 HOST_TAG = "process.host"
 PID_TAG = "process.pid"
+PID_SPACE_TAG = "process.pid_space"
 
 
 # Query parameters that carry a secret (libpq's and SQLAlchemy's `password`, tokens, keys of object stores).
@@ -263,14 +266,30 @@ def _filter_literal(value: str) -> str:
     raise ValueError(f"{value!r} holds both quote characters: no MLflow search filter can name it")
 
 
-def _process_alive(pid: int) -> bool:
+def _pid_space() -> str:
+    """This machine's boot and pid namespace ("<boot id>/<pid namespace>"), within which a process id names one
+    process; "" where /proc does not say (not Linux)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+PID_SPACE = _pid_space()
+
+
+def _process_alive(pid: int, opened_at: float) -> bool:
+    """Whether process `pid` of this pid space is still the one that opened a run at `opened_at` (epoch seconds):
+    it exists and started before then (a pid is taken again by later processes)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time() <= opened_at + 1.0  # create_time is rounded to clock ticks
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # another user's
+    except psutil.Error:  # another user's, or unreadable: assume it is alive
         return True
-    return True
 
 
 def client_for(uri: Optional[str]) -> Any:
@@ -371,6 +390,8 @@ class Tracker:
     @contextlib.contextmanager
     def _run(self, name: str, tags: dict[str, str]) -> Iterator[str]:
         tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}  # who can still end it
+        if PID_SPACE:
+            tags[PID_SPACE_TAG] = PID_SPACE
         run_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
         self._active.append(run_id)
         status = "FAILED"
@@ -391,18 +412,21 @@ class Tracker:
 
     def _end_runs_of_gone_processes(self) -> None:
         """A job killed outright (SIGKILL, out of memory) leaves its runs RUNNING for ever. Each run of this
-        experiment still RUNNING whose process, on this host, is gone is marked KILLED, with a `process.ended` tag
-        saying so. A run of another host, or whose process id is alive (or was taken again), is left alone."""
-        host = socket.gethostname()
+        experiment still RUNNING that a process of this machine's boot and pid namespace opened, and whose process
+        is gone (no such pid, or a pid taken again by a process started after the run), is marked KILLED with a
+        `process.ended` tag saying so. Runs of other machines or namespaces, or of a live process, stay."""
+        if not PID_SPACE:  # no /proc: process ids cannot be told apart from another machine's
+            return
         try:
             orphans = self.client.search_runs(
-                [self.experiment_id], f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = {_filter_literal(host)}",
+                [self.experiment_id],
+                f"attributes.status = 'RUNNING' and tags.`{PID_SPACE_TAG}` = {_filter_literal(PID_SPACE)}",
                 max_results=1000)
-        except ValueError:  # a host name no filter can hold: nothing to end
+        except ValueError:  # a value no filter can hold: nothing to end
             return
         for run in orphans:
             pid = run.data.tags.get(PID_TAG, "")
-            if pid.isdigit() and not _process_alive(int(pid)):
+            if pid.isdigit() and not _process_alive(int(pid), run.info.start_time / 1000):
                 self.client.set_tag(run.info.run_id, "process.ended", f"process {pid} was gone when a later job "
                                                                       "started on this host")
                 self.client.set_terminated(run.info.run_id, "KILLED")

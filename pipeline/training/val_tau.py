@@ -10,7 +10,6 @@ requests), greedy, at K = evaluation.num_speculative_tokens.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -68,11 +67,11 @@ class AcceptanceProbe:
         return {"val.tau": total.tau, "val.alpha_pos1": total.conditional_acceptance[0]}
 
 
-def ranking(metrics: dict, select_by: str) -> tuple[float, float, float]:
-    """How a checkpoint's reported `metrics` rank it by `select_by` (higher is better). A tie in val.tau (a few
-    short prompts often tie) goes to the better val.proxy_tau; any tie left to the later step."""
-    tie_break = metrics.get("val.proxy_tau", -math.inf) if select_by == "val.tau" else -math.inf
-    return metrics[select_by], tie_break, metrics.get("step", 0)
+def ranking(metrics: dict, select_by: str) -> tuple[float, float]:
+    """How a checkpoint's reported `metrics` rank it by `select_by` (higher is better): a tie (a few short prompts
+    often tie at val.tau) goes to the later step, as Ray Train ranks tied checkpoints when it decides which
+    `training.keep_checkpoints` to keep; any other rule could pick one Ray Train deleted."""
+    return metrics[select_by], metrics.get("step", 0)
 
 
 def proxy_agreement(points: list[dict[str, float]]) -> dict[str, float]:

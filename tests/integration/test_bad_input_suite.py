@@ -112,10 +112,27 @@ def test_a_hub_dataset_neither_cached_nor_reachable_is_named_before_any_stage_or
     assert _error_line(capsys) == (f"error: {field}: hub dataset '{path}' is not in the local cache, and the hub did "
                                    "not give it (ConnectionError: Name or service not known)")
     assert not (tmp_path / "mlflow").exists() and not (tmp_path / "prompts").exists()
-    (tmp_path / "datasets" / path.replace("/", "___")).mkdir(parents=True)
     from pipeline.data.prompts import check_hub_dataset
 
+    namespace, name = path.split("/")
+    (tmp_path / "datasets" / f"{namespace}___{name}").mkdir(parents=True)  # as datasets names it: snake_case
     check_hub_dataset(path, field)
+
+
+def test_a_hub_dataset_in_datasets_cache_under_its_snake_case_name_counts_as_cached(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    from pipeline.data.prompts import check_hub_dataset
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo_id, **kwargs: (_ for _ in ()).throw(OSError("down")))
+    with pytest.raises(PipelineError, match="^data.path: hub dataset 'Open-Orca/SlimOrca' is not in the local cache"):
+        check_hub_dataset("Open-Orca/SlimOrca", "data.path")
+    (tmp_path / "datasets" / "Open-Orca___slim_orca").mkdir(parents=True)
+    check_hub_dataset("Open-Orca/SlimOrca", "data.path")
+    (tmp_path / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)  # the hub client's own cache
+    check_hub_dataset("openai/gsm8k", "evaluation.sets.gsm8k.path")
 
 
 # (override, what the one line must say): refused before the first stage.

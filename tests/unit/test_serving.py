@@ -285,7 +285,7 @@ def test_a_port_another_server_holds_is_refused_by_name_before_ray_starts(tmp_pa
     traceback after Ray and Serve had started."""
     import socket
 
-    from pipeline.serving.job import check_local_serving
+    from pipeline.serving.job import check_serving_inputs
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -297,11 +297,12 @@ def test_a_port_another_server_holds_is_refused_by_name_before_ray_starts(tmp_pa
         cfg = compose([f"paths.root={tmp_path}", *(f"{k}={v}" for k, v in ports.items())])
         with pytest.raises(PipelineError, match=rf"^{field}: .*{taken} is in use by another server; stop it or pick "
                                                 "another port$"):
-            check_local_serving(cfg)
-    check_local_serving(cfg)  # free again
+            check_serving_inputs(cfg)
+    check_serving_inputs(cfg)  # free again
 
 
 def free_port_but(taken: int) -> int:
+    """A free port on 127.0.0.1 other than `taken`."""
     from pipeline.serving.process import free_port
 
     return next(port for port in iter(free_port, None) if port != taken)
@@ -309,33 +310,58 @@ def free_port_but(taken: int) -> int:
 
 def test_a_host_that_is_not_this_machines_and_an_unset_key_variable_are_refused_by_name(tmp_path, no_cluster,
                                                                                       monkeypatch):
-    from pipeline.serving.job import check_local_serving
+    """Both failed only after Ray and Serve had started (the key where build_app reads it)."""
+    from pipeline.serving.job import check_serving_inputs
 
     ports = [f"serving.port={free_port_but(0)}", f"serving.metrics_port={free_port_but(0)}"]
+    monkeypatch.setenv("SOME_KEY", "k")  # a host beyond loopback needs a key (validate)
     with pytest.raises(PipelineError, match=r"^serving.host: cannot listen on 203\.0\.113\.77:\d+ here"):
-        check_local_serving(compose([f"paths.root={tmp_path}", *ports, "serving.host=203.0.113.77",
+        check_serving_inputs(compose([f"paths.root={tmp_path}", *ports, "serving.host=203.0.113.77",
                                      "serving.api_key_env=SOME_KEY"]))
     monkeypatch.delenv("UNSET_SPECULATOR_KEY", raising=False)
     unset = compose([f"paths.root={tmp_path}", *ports, "serving.api_key_env=UNSET_SPECULATOR_KEY"])
     with pytest.raises(PipelineError, match="^serving.api_key_env: the environment variable UNSET_SPECULATOR_KEY is "
                                             "not set$"):
-        check_local_serving(unset)
+        check_serving_inputs(unset)
     monkeypatch.setenv("UNSET_SPECULATOR_KEY", "k")
-    check_local_serving(unset)
+    check_serving_inputs(unset)
 
 
-def test_a_cluster_the_job_joins_holds_its_own_ports_and_key(tmp_path, monkeypatch):
+def test_a_cluster_the_job_joins_binds_its_own_ports_but_the_key_is_read_here(tmp_path, monkeypatch):
+    """On a cluster the Serve proxy and the metrics agent run on its nodes; build_app reads the key in this
+    process either way."""
     import socket
 
-    from pipeline.serving.job import check_local_serving
+    from pipeline.serving.job import check_serving_inputs
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     monkeypatch.delenv("UNSET_SPECULATOR_KEY", raising=False)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        check_local_serving(compose([f"paths.root={tmp_path}", f"serving.port={server.getsockname()[1]}",
-                                     "serving.api_key_env=UNSET_SPECULATOR_KEY"]))
+        taken = [f"paths.root={tmp_path}", f"serving.port={server.getsockname()[1]}"]
+        check_serving_inputs(compose(taken))
+        with pytest.raises(PipelineError, match="^serving.api_key_env: the environment variable UNSET_SPECULATOR_KEY"):
+            check_serving_inputs(compose([*taken, "serving.api_key_env=UNSET_SPECULATOR_KEY"]))
+
+
+def test_a_port_this_user_may_not_bind_names_the_port_not_the_host(tmp_path, no_cluster, monkeypatch):
+    """A port below 1024 without root: the bind's EACCES (raised here by a socket that refuses every bind, since
+    these tests may run as root) was reported as serving.host."""
+    import errno
+    import socket
+
+    from pipeline.serving.job import check_serving_inputs
+
+    class RefusingSocket(socket.socket):
+        def bind(self, address):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    cfg = compose([f"paths.root={tmp_path}", "serving.port=443"])
+    monkeypatch.setattr(socket, "socket", RefusingSocket)
+    with pytest.raises(PipelineError, match=r"^serving.port: cannot listen on 127\.0\.0\.1:443 here \(Permission "
+                                            r"denied\)$"):
+        check_serving_inputs(cfg)
 
 
 def register_speculator(tracker, tmp_path, algorithm, tags, trained_k=None, shapes=None):

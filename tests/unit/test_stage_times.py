@@ -154,30 +154,35 @@ def test_a_job_lets_go_of_each_stages_lock_once_the_stage_is_done(store, monkeyp
 
 def test_runs_a_killed_job_left_running_are_ended_by_the_next_job_on_the_host(store, monkeypatch):
     """`kill -9` (or the kernel's OOM killer) left a job's parent and stage runs RUNNING for ever. The next job on
-    the same host marks those of a process that is gone KILLED; a live process's run and another host's stay."""
+    the machine marks KILLED those of a process that is gone, or whose pid a later process took; a live process's
+    run and one of another machine or pid namespace (which may share the host name) stay."""
     import os
     import socket
     import subprocess
     import sys
+    import time
 
-    from pipeline.tracking import HOST_TAG, PID_TAG, Tracker
+    from pipeline.tracking import HOST_TAG, PID_SPACE, PID_SPACE_TAG, PID_TAG, Tracker
 
     monkeypatch.setitem(stages.STAGES, "evaluate", sleeper(0.01))
     monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
     cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-orphans"])
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone_pid = gone.stdout.strip()
+    gone_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
     client = Tracker(cfg).client
     experiment = client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id
-    here = socket.gethostname()
-    left = {name: client.create_run(experiment, run_name=name, tags={HOST_TAG: host, PID_TAG: pid}).info.run_id
-            for name, host, pid in [("killed", here, gone_pid), ("live", here, str(os.getpid())),
-                                    ("elsewhere", "another-host", gone_pid)]}
+    here, me = socket.gethostname(), str(os.getpid())
+    hour_ago_ms = int((time.time() - 3600) * 1000)  # before this test's process started
+    left = {name: client.create_run(experiment, run_name=name, start_time=start,
+                                    tags={HOST_TAG: here, PID_SPACE_TAG: space, PID_TAG: pid}).info.run_id
+            for name, space, pid, start in [("killed", PID_SPACE, gone_pid, None), ("live", PID_SPACE, me, None),
+                                            ("pid_taken_again", PID_SPACE, me, hour_ago_ms),
+                                            ("other_machine", "another-boot/pid:[1]", gone_pid, None)]}
     runner.run_stages(cfg, "evaluate", ["evaluate"])
     status = {name: client.get_run(run_id) for name, run_id in left.items()}
-    assert status["killed"].info.status == "KILLED"
+    assert status["killed"].info.status == status["pid_taken_again"].info.status == "KILLED"
     assert status["killed"].data.tags["process.ended"].startswith(f"process {gone_pid} was gone")
-    assert status["live"].info.status == status["elsewhere"].info.status == "RUNNING"
+    assert status["live"].info.status == status["other_machine"].info.status == "RUNNING"
     job = [r for r in client.search_runs([experiment]) if r.info.run_id not in left.values()]
     assert {r.info.status for r in job} == {"FINISHED"}
-    assert {(r.data.tags[HOST_TAG], r.data.tags[PID_TAG]) for r in job} == {(here, str(os.getpid()))}
+    assert {(r.data.tags[PID_SPACE_TAG], r.data.tags[PID_TAG]) for r in job} == {(PID_SPACE, me)}

@@ -32,14 +32,15 @@ def test_too_few_or_constant_points_log_no_correlation_rather_than_a_made_up_zer
     assert "train.proxy_tau_spearman" not in agreement and agreement["train.best_step_by_proxy_tau"] == 3
 
 
-def test_a_val_tau_tie_goes_to_the_better_proxy_then_the_later_step():
-    """Tied at val.tau 1.0 (two short prompts), the first checkpoint was picked whatever the proxy said."""
+def test_a_tie_goes_to_the_later_step_as_ray_train_keeps_it():
+    """Tied at val.tau 1.0 (two short prompts), the first checkpoint was picked; Ray Train ranks the later of tied
+    checkpoints higher and deletes the earlier one first, so the pick must be the later one to exist."""
     from pipeline.training.val_tau import ranking
 
     tied = [{"step": 3, "val.proxy_tau": 1.1, "val.tau": 1.0}, {"step": 6, "val.proxy_tau": 1.4, "val.tau": 1.0},
             {"step": 9, "val.proxy_tau": 1.2, "val.tau": 1.0}]
-    assert max(tied, key=lambda m: ranking(m, "val.tau"))["step"] == 6
-    assert proxy_agreement(tied)["train.best_step_by_val_tau"] == 6
+    assert max(tied, key=lambda m: ranking(m, "val.tau"))["step"] == 9
+    assert proxy_agreement(tied)["train.best_step_by_val_tau"] == 9
+    assert proxy_agreement(tied)["train.best_step_by_proxy_tau"] == 6
     level = [{**m, "val.proxy_tau": 1.0} for m in tied]
-    assert max(level, key=lambda m: ranking(m, "val.tau"))["step"] == 9
     assert max(level, key=lambda m: ranking(m, "val.proxy_tau"))["step"] == 9
