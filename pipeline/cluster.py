@@ -80,16 +80,25 @@ def running_local_cluster() -> Optional[str]:
         return None
 
 
+def starts_local_ray(cluster_cfg: Any) -> bool:
+    """Whether ensure_ray would start a Ray of its own on this machine: no cluster address (or `local`, which
+    ray.init takes as "start one"), no `ray start` cluster here to join, and no Ray running in this process yet."""
+    import ray
+
+    address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return False
+    return address == "local" or (not address and running_local_cluster() is None)
+
+
 def local_ray_cpus(cluster_cfg: Any) -> Optional[int]:
     """The CPUs of the local Ray ensure_ray would start for this job (cluster.local_num_cpus, else what Ray counts
     on this machine, its container's limit included); None when the job joins a cluster (cluster.address,
     RAY_ADDRESS, one `ray start` began on this machine) or a Ray already running in this process, whose size is
     not known here."""
-    import ray
-
-    address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
-    if (address and address != "local") or ray.is_initialized() or (not address and running_local_cluster()):
+    if not starts_local_ray(cluster_cfg):
         return None
+    address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
     if cluster_cfg.local_num_cpus and not address:
         return int(cluster_cfg.local_num_cpus)
     try:

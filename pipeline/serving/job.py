@@ -77,10 +77,11 @@ def start(config: dict) -> str:
     http = config["http_options"]
     serve.start(http_options={"host": http["host"], "port": http["port"]})
     app = config["applications"][0]
-    with root_logging_kept():  # its import replaces the root logger's handlers (ray.llm's logging setup, once)
-        import ray.serve.llm  # noqa: F401 - before build_app, so that build_app's log lines reach the job's log
+    # importing ray.serve.llm replaces the root logger's handlers (ray.llm's logging setup, run once at import);
+    # imported here first, so that build_app's and serve.run's log lines reach the job's log
     with root_logging_kept():
-        serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"], blocking=False)
+        import ray.serve.llm  # noqa: F401
+    serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"], blocking=False)
     return f"http://{http['host']}:{http['port']}"
 
 
@@ -147,17 +148,6 @@ def _check_registry_exists(cfg: DictConfig) -> None:
 STOPPED_SERVING = "nothing is served; the same command starts serving again"
 
 
-def _starts_local_ray(cfg: DictConfig) -> bool:
-    """Whether this job starts its own Ray (and so its Serve proxy and metrics endpoint) on this machine: no
-    cluster address (or `local`, which starts one too) and no `ray start` cluster here to join."""
-    import os
-
-    from pipeline.cluster import running_local_cluster
-
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    return address == "local" or (not address and running_local_cluster() is None)
-
-
 def _port_in_use(host: str, port: int, host_field: str, port_field: str) -> bool:
     """Whether a server already listens where one would bind host:port (SO_REUSEADDR, as uvicorn and Ray bind:
     a port in TIME_WAIT is free). Raises PipelineError when host:port cannot be bound here at all, naming
@@ -184,10 +174,12 @@ def check_serving_inputs(cfg: DictConfig) -> None:
     Raises PipelineError naming the field."""
     import os
 
+    from pipeline.cluster import starts_local_ray
+
     serving = cfg.serving
     if serving.api_key_env and not os.environ.get(serving.api_key_env):
         raise PipelineError(f"serving.api_key_env: the environment variable {serving.api_key_env} is not set")
-    if not _starts_local_ray(cfg):
+    if not starts_local_ray(cfg.cluster):
         return
     if _port_in_use(serving.host, serving.port, "serving.host", "serving.port"):
         raise PipelineError(f"serving.port: {serving.host}:{serving.port} is in use by another server; stop it or "
