@@ -194,7 +194,7 @@ def curve_of(root: Path, work: Path, algorithm: str, args) -> dict:
         "chosen_by_val_tau": final.get("train.best_step_by_val_tau"),
         "chosen_by_proxy_tau": final.get("train.best_step_by_proxy_tau"),
         "val_tau_at_proxy_choice": final.get("train.val_tau_at_proxy_choice"),
-        "val_tau_best": final.get("train.val_tau_best"),
+        "val_tau_best": final.get("train.best_val_tau"),
         "proxy_tau_spearman": final.get("train.proxy_tau_spearman"),
         "final": {"reference_decoder": {name: round(figures["pooled_tau"], 4)
                                         for name, figures in report["datasets"].items()},

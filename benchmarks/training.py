@@ -8,7 +8,8 @@
         prompt, the rest loss-carrying); both sides compute every position at every depth (no anchor or depth
         sparsification). Ours and theirs alternate within each repeat after one warm-up each. Reports the median
         seconds of each and ours/theirs (goal <= 0.8, issue 17). speculators' P-EAGLE trains its token embedding by
-        default (ours never does); --their-embeddings frozen times it without that gradient.
+        default (ours only with drafter.embed_requires_grad=true); --their-embeddings frozen times it without that
+        gradient.
         Default FILE: benchmarks/results/training_step_time.json.
 
     python benchmarks/training.py throughput --root DIR [--steps 20] [--drafters ...] [--work DIR2]

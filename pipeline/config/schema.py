@@ -4,6 +4,10 @@ Each group's YAML files are merged into these dataclasses, so a wrong type, an u
 setting's choices (an Enum below) fails at composition time with OmegaConf's message naming the key
 (``Key 'foo' not in 'VerifierConfig'``, ``Invalid value 'sgd', expected one of [adamw, muon]``). Semantic checks that
 types cannot express live in :func:`pipeline.config.validate`.
+
+A field's default here is the fallback of a group option that leaves it out; what a run gets by default is the
+composed YAML (``conf/<group>/<option>.yaml``, e.g. ``conf/training/cpu.yaml``): print it with
+``python jobs/run_pipeline.py --cfg job``.
 """
 
 from __future__ import annotations
@@ -159,7 +163,7 @@ class SyntheticConfig:
     per_domain samples for each of `domains`, each steered by its entry in `system_prompts`."""
 
     domains: list[str] = field(default_factory=lambda: ["code", "math", "chat"])
-    # Add a domain with data.synthetic.system_prompts.<name>="..." and name it in domains.
+    # Add a domain with +data.synthetic.system_prompts.<name>="..." (Hydra's + adds a key) and name it in domains.
     system_prompts: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_SYSTEM_PROMPTS))
     per_domain: int = 800
     seed: int = 0
@@ -427,7 +431,8 @@ class EvaluationConfig:
     # At temperature 0: compare the decoder's output tokens with verifier.generate and fail when they differ.
     check_greedy_equivalence: bool = True
     # DSpark: send drafts while the product of their confidences stays >= this (0 = send all K). A decoding
-    # choice, so it lives here and never changes which checkpoint is trained.
+    # choice, so it lives here; it changes which checkpoint is picked only through val.tau
+    # (training.select_best_by=val.tau decodes with it), never how training runs.
     confidence_threshold: float = 0.3
     # Prompts the reference decoder runs together (one batched verifier forward per step).
     batch_size: int = 8

@@ -51,6 +51,7 @@ def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """quantize_fp8's inverse: float8 values [T, H] and float32 scale per row [T] -> rows [T, H] in `dtype`."""
     return (values.float() * scale[:, None]).to(dtype)
 
 

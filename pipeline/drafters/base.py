@@ -144,7 +144,8 @@ class DrafterBase(nn.Module):
             self.verifier_head = full.to(self.embed_tokens.weight.dtype)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> the verifier's token ids (identity without pruning)."""
+        """Draft-vocabulary ids -> the verifier's token ids, same shape, int64, on draft_ids' device (identity
+        without pruning)."""
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -154,6 +155,8 @@ class DrafterBase(nn.Module):
                         self.spec.verifier_logit_softcap)
 
     def to_draft_vocab(self, full_logits: torch.Tensor) -> torch.Tensor:
+        """The draft vocabulary's columns of full-vocabulary logits: [..., V] -> [..., N] in draft-id order (the
+        same tensor without pruning)."""
         return full_logits if self.draft_ids is None else full_logits[..., self.draft_ids]
 
     def frozen_names(self) -> tuple[str, ...]:
@@ -161,5 +164,7 @@ class DrafterBase(nn.Module):
         return tuple(name for name in self.VERIFIER_TENSORS if not self.get_parameter(name).requires_grad)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict without the frozen verifier tensors: detached CPU tensors in their parameter dtype (what
+        a training checkpoint holds)."""
         frozen = self.frozen_names()
         return {k: v.detach().cpu() for k, v in self.state_dict().items() if k not in frozen}

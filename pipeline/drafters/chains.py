@@ -80,7 +80,9 @@ def sample_training_rows(
 
 
 def inference_rows(context_length: int, num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows to draft num_speculative_tokens tokens after a context whose last real row is anchor context_length - 1."""
+    """Rows to draft num_speculative_tokens tokens after a context whose last real row is anchor context_length - 1:
+    (anchors, depths), each [context_length + num_speculative_tokens - 1] int64 on the CPU: every context position
+    at depth 0, then the last one's chain at depths 1..K-1."""
     last = context_length - 1
     anchors = torch.cat([torch.arange(context_length), torch.full((num_speculative_tokens - 1,), last)])
     depths = torch.cat([torch.zeros(context_length, dtype=torch.long), torch.arange(1, num_speculative_tokens)])

@@ -1,6 +1,7 @@
 """Draft-vocabulary pruning in vLLM's and speculators' convention. Math only.
 
-A pruned drafter scores only N of the verifier's V tokens. The checkpoint carries two tensors:
+A pruned drafter scores only N of the verifier's V tokens. "Target" is the verifier, as the names d2t (draft to
+target) and t2d say in EAGLE, speculators and vLLM. The checkpoint carries two tensors:
 ``d2t`` [N] int64 offsets (target id = draft id + d2t[draft id]) and ``t2d`` [V] bool (True where a target token
 is in the draft vocabulary). Draft ids are the kept target ids in ascending order, so the LM head's rows are the
 verifier's rows selected by ``t2d``.

@@ -100,7 +100,8 @@ class _Sequence:
     stopped: bool = False  # an end-of-sequence token was emitted (possibly inside the accepted drafts)
 
     def cached_features(self) -> torch.Tensor:
-        """features, which the prefill sets before any draft or verification step reads them."""
+        """features [len(tokens) - 1, A*H], which the prefill sets before any draft or verification step reads
+        them. Raises RuntimeError when read before the prefill."""
         if self.features is None:
             raise RuntimeError("reference decoder: a sequence was read before its prefill")
         return self.features

@@ -51,7 +51,8 @@ class HFVerifier:
         return modules, count
 
     def forward_base(self, batch: list[list[int]]) -> torch.Tensor:
-        """The plain verifier forward (right-padded batch) without capture: the benchmark's baseline."""
+        """The plain verifier forward without capture, the benchmark's baseline: token ids of B samples -> the
+        decoder's last hidden state [B, T_max, H] (right-padded to the longest sample), no gradient."""
         ids, attention = self._right_padded(batch)
         with torch.no_grad():
             return text_decoder(self.model)(input_ids=ids, attention_mask=attention).last_hidden_state

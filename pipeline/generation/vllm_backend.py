@@ -171,6 +171,9 @@ class VllmVerifier:
                 "kv_connector_extra_config": {"shared_storage_path": str(self._capture_dir)}}
 
     def capture(self, batch: list[list[int]], layer_ids: list[int]) -> list[dict[int, torch.Tensor]]:
+        """Per sample {layer_id: [T, H] float32} for the requested layers (T = the sample's token count), from one
+        vLLM prefill through its hidden-states connector; the last layer normed by the verifier's final norm, as
+        transformers' hidden_states[n] is. The same contract as the HF backend's capture."""
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,

@@ -83,7 +83,7 @@ def proxy_agreement(points: list[dict[str, float]]) -> dict[str, float]:
     by_proxy = max(points, key=lambda p: ranking(p, "val.proxy_tau"))
     by_tau = max(points, key=lambda p: ranking(p, "val.tau"))
     agreement = {"train.best_step_by_proxy_tau": by_proxy["step"], "train.best_step_by_val_tau": by_tau["step"],
-                 "train.val_tau_at_proxy_choice": by_proxy["val.tau"], "train.val_tau_best": by_tau["val.tau"]}
+                 "train.val_tau_at_proxy_choice": by_proxy["val.tau"], "train.best_val_tau": by_tau["val.tau"]}
     proxies, taus = [p["val.proxy_tau"] for p in points], [p["val.tau"] for p in points]
     if len(points) >= 3 and len(set(proxies)) > 1 and len(set(taus)) > 1:
         agreement["train.proxy_tau_spearman"] = float(spearmanr(proxies, taus).statistic)

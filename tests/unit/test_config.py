@@ -197,6 +197,14 @@ def test_the_verifiers_own_prompts_are_checked_when_the_source_uses_them(overrid
             validate(compose([f"data.source={source}", override]))
 
 
+def test_a_domain_added_the_way_the_readme_says_composes_and_validates():
+    cfg = compose(["data=general", '+data.synthetic.system_prompts.poetry="You write short poems."',
+                   "data.synthetic.domains=[code,poetry]"])
+    validate(cfg)
+    assert cfg.data.synthetic.system_prompts.poetry == "You write short poems."
+    assert 'add one with `+data.synthetic.system_prompts.<name>="..."`' in (CONF_DIR.parent / "README.md").read_text()
+
+
 def test_every_source_the_prompt_reader_knows_offline_is_a_schema_choice():
     from pipeline.config.schema import PromptSource
     from pipeline.data.prompts import OFFLINE_SOURCES

@@ -20,7 +20,7 @@ def test_agreement_reports_the_rank_correlation_and_both_choices():
     agreement = proxy_agreement(points)
     assert agreement["train.proxy_tau_spearman"] == pytest.approx(0.5)
     assert agreement["train.best_step_by_proxy_tau"] == 6 and agreement["train.best_step_by_val_tau"] == 4
-    assert agreement["train.val_tau_at_proxy_choice"] == 1.25 and agreement["train.val_tau_best"] == 1.3
+    assert agreement["train.val_tau_at_proxy_choice"] == 1.25 and agreement["train.best_val_tau"] == 1.3
 
 
 def test_too_few_or_constant_points_log_no_correlation_rather_than_a_made_up_zero():

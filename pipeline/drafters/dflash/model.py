@@ -56,6 +56,9 @@ class DFlashAttention(nn.Module):
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor) -> torch.Tensor:
+        """block [B, S, H] (every block slot, S = N*bs) attends to [context ; block]: context [B, T, H] (the
+        fused verifier features), rotary (cos, sin) each [B, T + S, head_dim], mask [B, 1, S, T + S] additive float
+        (layers.additive_mask). Returns [B, S, H] in block's dtype; shapes that disagree raise RuntimeError."""
         cos, sin = rotary  # [B, T + S, hd]: context positions, then block positions
         slots = block.shape[1]
         q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)

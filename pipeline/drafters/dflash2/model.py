@@ -163,6 +163,11 @@ class DFlash2Drafter(DFlashDrafter):
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
+        """Greedy drafts for one sequence: [min(num_speculative_tokens, K)] int64 verifier token ids (DFlash2 keeps
+        the full vocabulary, so no d2t), on the drafter's device. aux_hidden [1, T, A*H] and next_ids [1, T] as
+        block_after_context takes them; each slot re-ranks its unary head's top-k candidates by the low-rank
+        selector given the token drafted before it (speculators 0.9's DFlash2 decoding). ValueError for a count
+        below 1. No gradient."""
         self.check_draft_count(num_speculative_tokens)
         hidden = self.block_after_context(aux_hidden, next_ids)[self.first_draft_slot:][:num_speculative_tokens]
         candidates = self.unary_top_k(hidden)  # [K, C]

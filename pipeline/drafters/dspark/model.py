@@ -24,6 +24,9 @@ from pipeline.drafters.spec import DrafterSpec
 
 
 class MarkovHead(nn.Module):
+    """DSpark's low-rank Markov bias: the token before a slot -> a bias on that slot's draft-vocabulary logits
+    (rank `rank`, zero at initialisation, so training starts from plain DFlash)."""
+
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
@@ -32,16 +35,20 @@ class MarkovHead(nn.Module):
         nn.init.zeros_(self.markov_w2.weight)  # starts as plain DFlash
 
     def forward(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """previous_tokens [...] int64 verifier ids -> logit bias [..., draft_vocab_size]."""
         return self.markov_w2(self.markov_w1(previous_tokens))
 
 
 class ConfidenceHead(nn.Module):
+    """DSpark's acceptance predictor: a slot's features -> the logit of P(its draft is accepted)."""
+
     def __init__(self, width: int):
         super().__init__()
         self.proj = nn.Linear(width, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.proj(features).squeeze(-1)  # logit of P(accepted)
+        """features [..., width] -> logits [...] of P(accepted) (apply sigmoid for the probability)."""
+        return self.proj(features).squeeze(-1)
 
 
 class DSparkDrafter(DFlashDrafter):

@@ -70,6 +70,11 @@ class Eagle3Drafter(EagleFamilyDrafter):
         Step s runs the depth-s rows alone: each reads its parent's (anchor, s - 1) output and attends to the keys
         and values of the rows run before it (a transformers DynamicCache, as incremental decoding keeps them) and
         to its own step's, so every row is computed once; the attention mask is `attention_allowed`'s.
+
+        aux_hidden [B, T, A*H] (the A aux layers' features, the drafter's parameter dtype), next_ids [B, T] int64
+        (the token after each position), anchors / depths [B, R] int64 (row r drafts the token anchors + depths + 1
+        from depth `depths` of its chain), valid [B, R] bool (False = padding). Raises ValueError when there is no
+        row (depths empty); shapes that disagree raise RuntimeError.
         """
         from transformers import DynamicCache
 
@@ -105,8 +110,10 @@ class Eagle3Drafter(EagleFamilyDrafter):
 
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
-        """Greedy drafts for one sequence, one forward per token: [K] target ids. The context's rows run
-        once; each draft's row attends to them through the cache, as in training."""
+        """Greedy drafts for one sequence, one forward per token: [num_speculative_tokens] int64 verifier ids (d2t
+        applied), on the drafter's device. aux_hidden [1, T, A*H] and next_ids [1, T] as forward takes them. The
+        context's rows run once; each draft's row attends to them through the cache, as in training. ValueError for
+        a count below 1. No gradient."""
         from transformers import DynamicCache
 
         self.check_draft_count(num_speculative_tokens)
