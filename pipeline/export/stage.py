@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from pipeline.checkpoint import load_checkpoint
 from pipeline.context import Context
+from pipeline.errors import first_line
 from pipeline.evaluation.gate import tau_tag
 from pipeline.export.model_card import CARD_FILE, model_card, without_gate_decision
 from pipeline.export.speculators_format import export_digest, export_speculators
@@ -63,19 +64,42 @@ def _register(ctx: Context, run_id: str, config: dict, digest: str, report: dict
 
 
 def _publish(ctx: Context, folder: Path, card: str, registered: Registration | None) -> None:
-    """Write the card into the export and log the folder; a version registered by this call is removed again
-    when logging fails, so the registry never points at files that were not logged."""
+    """Write the card into the export and upload the folder to where its registered version points, then mark the
+    version's files complete (tracking.FILES_TAG). A reused version whose files are complete is not uploaded again;
+    one whose upload never finished (a job stopped while exporting it) gets its files now, in the run it points
+    at. A version this call registered is removed again when its upload fails or is stopped, as far as the store
+    lets (one it cannot remove is completed by the next run), so the registry never keeps pointing at missing
+    files. Without registration the folder goes to this stage's run."""
     atomic_write_text(folder / CARD_FILE, card)
     seal(folder)  # what a server that downloads this version checks before serving it
-    created = registered if registered is not None and registered.created else None
-    try:
+    if registered is None:
         ctx.log_artifact(folder, ARTIFACT_PATH)
-    except Exception:
-        if created:
-            ctx.tracking("export").delete_version(created.name, created.version)
+        return
+    tracker = ctx.tracking("export")
+    run_id, artifact_path, complete = tracker.version_files(registered.name, registered.version)
+    if complete:
+        return
+    if not registered.created:
+        log.warning("export: %s version %s has no complete files (a job stopped while exporting it); uploading "
+                    "them now", registered.name, registered.version)
+    try:
+        tracker.log_artifact(folder, artifact_path, run_id=run_id)
+    except BaseException:
+        if registered.created:
+            _remove_unfinished(tracker, registered)
         raise
-    if created:
-        ctx.tracking("export").describe_version(created.name, created.version, card)
+    tracker.describe_version(registered.name, registered.version, card)
+    tracker.mark_files_complete(registered.name, registered.version)
+
+
+def _remove_unfinished(tracker, registered: Registration) -> None:
+    """Delete a version whose upload failed; a store that refuses now (SQLite locked by the interrupted write)
+    leaves it for the next run to complete, and the upload's own error is what the job reports."""
+    try:
+        tracker.delete_version(registered.name, registered.version)
+    except Exception as error:  # noqa: BLE001 - any store error: the next run completes the version
+        log.warning("export: %s version %s left without complete files (%s); the next run of this config "
+                    "uploads them", registered.name, registered.version, first_line(error))
 
 
 def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None, lineage: dict) -> dict:
@@ -100,7 +124,7 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     if registered and not registered.created:  # the reused version's own card: its labels and lineage
         card = without_gate_decision(ctx.tracking("export").version_description(registered.name,
                                                                                  registered.version))
-    card = card or model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
+    card = card if card.strip() else model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
                               (registered.name, registered.version) if registered else None)
     if tracked:
         _publish(ctx, folder, card, registered)

@@ -31,36 +31,37 @@ SEPARATOR = " · "
 # The host's name is for people; process ids are compared only within one boot of one machine and one pid
 # namespace (two containers, or two machines, may share a host name).
 HOST_TAG = "process.host"
+# A registered version's tag once every file of its artifact folder is uploaded (the export registers first, so
+# that its card can name the version, then uploads): a version without it is not reused as it is.
+FILES_TAG, FILES_COMPLETE = "registry.files", "complete"
 PID_TAG = "process.pid"
 PID_SPACE_TAG = "process.pid_space"
 
 
-# Query parameters that carry a secret (libpq's and SQLAlchemy's `password`, tokens, keys of object stores).
-SECRET_QUERY_KEY = re.compile(r"^pass(word|wd)?$|^pwd$|token|secret|api[_-]?key|access[_-]?key|signature",
-                              re.IGNORECASE)
+# Names of URI parameters that carry a secret, by kind: any password (libpq's `password` and `sslpassword`,
+# `passphrase`, `pwd`), token, secret, key (`api_key`, `AccountKey`, Google's `key`; not libpq's `sslkey`, a file
+# path), signature or credential (S3's presigned `X-Amz-*`, Azure SAS's `sig`), authorization.
+SECRET_QUERY_KEY = re.compile(r"pass|pwd|token|secret|^key$|(api|access|account|shared|private)[_-]?key$|signature"
+                              r"|credential|^sig$|^auth(orization)?$", re.IGNORECASE)
 
 
 def refuse_credentials(uri: str, source: str) -> None:
-    """A URI with a user or password (`https://user:secret@host`) or a secret query parameter (`?password=...`,
-    SECRET_QUERY_KEY) would carry the secret into MLflow params, the Serve config and the RayService manifest; MLflow
-    reads credentials from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead.
-    Raises PipelineError naming `source`, also for a URI urlsplit cannot parse; the message shows the URI without
-    them."""
-    from urllib.parse import parse_qsl, urlsplit
+    """A URI with a user or password (`https://user:secret@host`) or a secret parameter (SECRET_QUERY_KEY) in its
+    query (`?sslpassword=...`), its fragment (`#token=...`) or its path (`;password=...`) would carry the secret into
+    MLflow params, the Serve config and the RayService manifest; MLflow reads credentials from
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead. Raises PipelineError
+    naming `source`, also for a URI urlsplit cannot parse; the message shows the URI with the secrets masked."""
+    from urllib.parse import urlsplit
 
     try:
         parts = urlsplit(uri)
-        query = parse_qsl(parts.query, keep_blank_values=True)
+        has_user = parts.username is not None or parts.password is not None
     except ValueError as error:  # refused here: a later message would show it whole, credentials and all
         raise PipelineError(f"{source}: '{_redacted(uri)}' is not a valid URI ({error})") from None
-    secret_query = [name for name, _ in query if SECRET_QUERY_KEY.search(name)]
-    if parts.username is None and parts.password is None and not secret_query:
+    secret_parameter = any(SECRET_QUERY_KEY.search(match[2]) for match in _PARAMETER.finditer(uri))
+    if not has_user and not secret_parameter:
         return
-    netloc = "***@" + parts.netloc.rsplit("@", 1)[-1] if "@" in parts.netloc else parts.netloc
-    shown_query = "&".join(f"{name}={'***' if name in secret_query else value}" for name, value in query)
-    # geturl() would drop the empty authority of `scheme:///path?...` (one slash fewer): rebuild only what changes
-    shown = (parts._replace(netloc=netloc, query=shown_query).geturl() if parts.netloc
-             else f"{uri.split('?', 1)[0]}?{shown_query}")
+    shown = _redacted(uri)
     advice = ("put them in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
               if "tracking" in source.lower() or "mlflow" in source.lower()
               else "give them to the service through its environment or credential file instead")
@@ -69,14 +70,15 @@ def refuse_credentials(uri: str, source: str) -> None:
 
 
 USER_INFO = re.compile(r"://[^/\s]*@")  # what lies between a scheme and its host's '@' is a user (and password)
-_QUERY_VALUE = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
+# name=value after '?', '&', ';' or '#': a query's, a fragment's or a path segment's parameter
+_PARAMETER = re.compile(r"([?&;#])([^=&;#?]*)=([^&;#]*)")
 
 
 def _redacted(uri: str) -> str:
-    """`uri` with any user info and every query value that SECRET_QUERY_KEY names masked, by pattern alone: for a
-    URI urlsplit cannot parse."""
+    """`uri` with any user info and every parameter value that SECRET_QUERY_KEY names masked, by pattern alone (a
+    URI urlsplit cannot parse too)."""
     uri = USER_INFO.sub("://***@", uri)
-    return _QUERY_VALUE.sub(lambda m: f"{m[1]}{m[2]}={'***' if SECRET_QUERY_KEY.search(m[2]) else m[3]}", uri)
+    return _PARAMETER.sub(lambda m: f"{m[1]}{m[2]}={'***' if SECRET_QUERY_KEY.search(m[2]) else m[3]}", uri)
 
 
 def refuse_links(path: Path) -> None:
@@ -408,7 +410,21 @@ class Tracker:
             raise
         finally:
             self._active.pop()
+            self._end_run(run_id, status)
+
+    def _end_run(self, run_id: str, status: str) -> None:
+        """Mark the run ended. A run that ends on an error or a stop is marked as well as the store lets: an
+        interrupt inside an MLflow write can leave SQLite locked for the rest of the process, and the store's error
+        must not replace what stopped the job; the next job on this host marks such a run KILLED
+        (_end_runs_of_gone_processes)."""
+        if status == "FINISHED":
             self.client.set_terminated(run_id, status)
+            return
+        try:
+            self.client.set_terminated(run_id, status)
+        except Exception as error:  # noqa: BLE001 - any store error; the job's own error is what it reports
+            log.warning("tracking: run %s not marked %s (%s); the next job on this host marks it", run_id, status,
+                        first_line(error))
 
     def _end_runs_of_gone_processes(self) -> None:
         """A job killed outright (SIGKILL, out of memory) leaves its runs RUNNING for ever. Each run of this
@@ -458,14 +474,16 @@ class Tracker:
         for key, value in tags.items():
             self.client.set_tag(self._active[-1], key, str(value))
 
-    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
-        """Upload a file or a folder. A link anywhere in it is refused: MLflow's upload follows links, so one in a
-        stage folder would publish whatever it points at (a key file, another run's outputs)."""
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None, run_id: Optional[str] = None) -> None:
+        """Upload a file or a folder to `run_id` (default: the active run). A link anywhere in it is refused:
+        MLflow's upload follows links, so one in a stage folder would publish whatever it points at (a key file,
+        another run's outputs)."""
         refuse_links(Path(path))
+        run_id = run_id or self._active[-1]
         if Path(path).is_dir():
-            self.client.log_artifacts(self._active[-1], str(path), artifact_path=artifact_path)
+            self.client.log_artifacts(run_id, str(path), artifact_path=artifact_path)
         else:
-            self.client.log_artifact(self._active[-1], str(path), artifact_path=artifact_path)
+            self.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
     def register(self, name: str, artifact_path: str, run_id: str, tags: dict[str, str]) -> str:
         """Register the run's artifact folder as a new version of `name`; returns the version number."""
@@ -512,6 +530,17 @@ class Tracker:
     def delete_version(self, name: str, version: str) -> None:
         """Remove a version, such as one registered by a stage that then failed before its files were logged."""
         self.client.delete_model_version(name, version)
+
+    def version_files(self, name: str, version: str) -> tuple[str, str, bool]:
+        """Where the version's files live, (run id, artifact path under that run), and whether they are all there:
+        its FILES_TAG says so once the upload that followed its registration returned. A version without it was
+        registered by a job stopped before that (SIGKILL, Ctrl-C), or before versions carried the tag."""
+        found = self.client.get_model_version(name, version)
+        path = found.source.rstrip("/").rsplit("/", 1)[-1]
+        return found.run_id, path, found.tags.get(FILES_TAG) == FILES_COMPLETE
+
+    def mark_files_complete(self, name: str, version: str) -> None:
+        self.client.set_model_version_tag(name, version, FILES_TAG, FILES_COMPLETE)
 
     def alias_tags(self, name: str, alias: str) -> Optional[dict[str, str]]:
         """The tags of the version `alias` points at (plus its number as `version`); None only when the model does

@@ -194,6 +194,70 @@ def test_registering_the_same_export_twice_yields_one_version(export):
     assert run(None)["version"] == unevaluated["version"]
 
 
+def _files_of(ctx, run_id: str, path: str = "speculator") -> set[str]:
+    return {entry.path.rsplit("/", 1)[-1] for entry in ctx.tracker.client.list_artifacts(run_id, path)}
+
+
+def _export_runs(ctx) -> list:
+    return ctx.tracker.client.search_runs([ctx.tracker.experiment_id], "tags.stage = 'export'",
+                                          order_by=["attributes.start_time ASC"])
+
+
+def test_a_reused_version_with_its_files_is_not_uploaded_again(export):
+    ctx, run = export
+    first = run(report())
+    again = run(report())
+    assert again["reused"] and again["version"] == first["version"]
+    made, reused = _export_runs(ctx)
+    assert {"config.json", "README.md"} <= _files_of(ctx, made.info.run_id)
+    assert _files_of(ctx, reused.info.run_id) == set()  # the version's run holds them; nothing copied twice
+    assert reused.data.tags["registry.version"] == first["version"]
+
+
+def test_an_export_stopped_while_uploading_leaves_a_version_the_next_run_completes(export, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.tracking import FILES_TAG
+
+    ctx, run = export
+
+    def stopped_upload(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C inside the upload
+
+    def locked_store(*args, **kwargs):
+        raise MlflowException("(sqlite3.OperationalError) database is locked")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Tracker, "log_artifact", stopped_upload)
+        patched.setattr(Tracker, "delete_version", locked_store)  # the interrupted write still holds SQLite
+        with pytest.raises(KeyboardInterrupt):  # what stopped the job, not the store's error
+            run(report())
+    name = "SmolLM2-135M-Instruct-peagle"
+    (left,) = ctx.tracker.client.search_model_versions(f"name = '{name}'")
+    assert FILES_TAG not in left.tags and _files_of(ctx, left.run_id) == set()
+    assert _export_runs(ctx)[0].info.status == "KILLED"
+
+    again = run(report())  # the same command again
+    assert (again["version"], again["reused"]) == (str(left.version), True)
+    completed = ctx.tracker.client.get_model_version(name, left.version)
+    assert completed.tags[FILES_TAG] == "complete"
+    assert {"config.json", "README.md"} <= _files_of(ctx, completed.run_id)  # where the version points
+    assert completed.description.startswith(f"# {name} version {left.version}\n")
+    assert completed.description == (ctx.paths.export / "README.md").read_text()
+
+
+def test_a_version_whose_upload_failed_is_removed(export, monkeypatch):
+    ctx, run = export
+
+    def failed_upload(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Tracker, "log_artifact", failed_upload)
+    with pytest.raises(OSError, match="disk full"):
+        run(report())
+    assert ctx.tracker.client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'") == []
+
+
 def test_an_artifact_folder_holding_a_link_is_not_uploaded(cfg, tmp_path):
     secret = tmp_path / "elsewhere" / "key.pem"
     secret.parent.mkdir()
@@ -224,3 +288,24 @@ def test_the_cards_gate_section_says_how_a_refused_version_is_served_and_is_repl
                              "version may hold the alias since.\n")
     assert promoted.startswith(card.rstrip("\n"))
     assert without_gate_decision(promoted) == without_gate_decision(refused) == without_gate_decision(card) == card
+
+
+@pytest.mark.parametrize("uri", ["postgresql://db:5432/mlflow?sslmode=require&sslkey=/etc/mlflow/client.key",
+                                 "https://acct.blob.core.windows.net/c/prompts.jsonl?sv=2022-11-02&sp=r",
+                                 "sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000/#/experiments/1",
+                                 "s3://bucket/prompts.parquet"])
+def test_a_uri_without_secrets_is_not_refused(uri):
+    from pipeline.tracking import refuse_credentials
+
+    refuse_credentials(uri, "tracking.tracking_uri")  # raises nothing
+
+
+@pytest.mark.parametrize("uri", ["http://h/x;password=hunter2#token=hunter2", "sqlite:////x.db?SSLPassword=hunter2",
+                                 "https://h/p?sig=hunter2&sv=1", "https://h/p?AccountKey=hunter2",
+                                 "https://h/p?X-Amz-Credential=hunter2", "https://h/p?passphrase=hunter2"])
+def test_every_kind_of_secret_parameter_is_refused_and_masked(uri):
+    from pipeline.tracking import refuse_credentials
+
+    with pytest.raises(PipelineError, match="carries credentials") as refused:
+        refuse_credentials(uri, "tracking.tracking_uri")
+    assert "hunter2" not in str(refused.value) and "=***" in str(refused.value)

@@ -125,6 +125,24 @@ def test_a_stage_stopped_by_ctrl_c_leaves_killed_runs_not_failed_ones(store, mon
                                                                               ("export", "KILLED")]
 
 
+def test_a_store_that_cannot_end_a_stopped_run_does_not_hide_what_stopped_the_job(store, monkeypatch, caplog):
+    """An interrupt inside an MLflow write can leave SQLite locked for the rest of the process: ending the runs
+    then fails, and that error must not replace the KeyboardInterrupt (the job's one line and exit 130)."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setitem(stages.STAGES, "evaluate", interrupted)
+    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
+
+    def locked(self, run_id, status="FINISHED", *args, **kwargs):
+        raise RuntimeError("(sqlite3.OperationalError) database is locked")
+
+    monkeypatch.setattr(MlflowClient, "set_terminated", locked)
+    cfg = compose([f"paths.root={store}", "tracking.experiment_name=times-locked"])
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_stages(cfg, "evaluate", ["evaluate"])
+    assert "not marked KILLED (" in caplog.text and "the next job on this host marks it" in caplog.text
+
+
 def test_a_job_lets_go_of_each_stages_lock_once_the_stage_is_done(store, monkeypatch):
     """Held to the job's end, the lock of a finished stage refused another config's job that shares it (another
     drafter on the same store) for as long as this job trained and evaluated."""
