@@ -349,6 +349,13 @@ CREDENTIAL_URIS = [
     ("tracking.tracking_uri", "'https://mlflow.example.com/?token=hunter2'"),
     ("cluster.address", "ray://alice:hunter2@head:10001"),
     ("data.path", "'https://example.com/prompts.jsonl?X-Amz-Signature=hunter2'"),
+    # every kind of secret parameter, wherever in the URI it sits: libpq's sslpassword, Azure SAS's sig, Google's
+    # key, a token in the fragment, a password among a path's parameters
+    ("tracking.tracking_uri", "'sqlite:////tmp/mlflow.db?sslpassword=hunter2'"),
+    ("data.path", "'https://acct.blob.core.windows.net/c/prompts.jsonl?sv=2022-11-02&sig=hunter2'"),
+    ("data.path", "'https://example.com/prompts.jsonl?key=hunter2'"),
+    ("tracking.tracking_uri", "'http://127.0.0.1:9/mlflow#access_token=hunter2'"),
+    ("tracking.tracking_uri", "'mssql+pyodbc://db/mlflow;password=hunter2'"),
 ]
 
 
