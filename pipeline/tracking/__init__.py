@@ -536,8 +536,8 @@ class Tracker:
         its FILES_TAG says so once the upload that followed its registration returned. A version without it was
         registered by a job stopped before that (SIGKILL, Ctrl-C), or before versions carried the tag."""
         found = self.client.get_model_version(name, version)
-        path = found.source.rstrip("/").rsplit("/", 1)[-1]
-        return found.run_id, path, found.tags.get(FILES_TAG) == FILES_COMPLETE
+        path = (found.source or "").rstrip("/").rsplit("/", 1)[-1]
+        return str(found.run_id), path, found.tags.get(FILES_TAG) == FILES_COMPLETE
 
     def mark_files_complete(self, name: str, version: str) -> None:
         self.client.set_model_version_tag(name, version, FILES_TAG, FILES_COMPLETE)
