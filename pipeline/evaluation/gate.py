@@ -109,12 +109,21 @@ CONCURRENT_PROMOTION_S = 60.0
 
 def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: dict, gate_cfg: Any) -> Decision:
     """Decide for `version` of `name`, record the decision on the version, move the alias when it passes.
-    The version that already holds the alias (a rerun that reused its registration) keeps it and its tags."""
+    The version that already holds the alias (a rerun that reused its registration) keeps it and its tags; one
+    promoted before that no longer holds it (superseded, or taken out of service by an operator) is not promoted
+    again by a rerun."""
     read_at = time.time()
     champion = tracker.alias_tags(name, gate_cfg.alias)
     if champion is not None and champion["version"] == str(version):
         decision = Decision(True, f"version {version} already holds {gate_cfg.alias}")
         log.info("promote: %s %s", name, decision.reason)
+        return decision
+    if tracker.version_tags(name, version).get("gate.decision") == "promoted":
+        decision = Decision(False, f"version {version} was promoted before and has lost {gate_cfg.alias} since "
+                                   "(to a better version, or taken back by an operator); a rerun does not give it "
+                                   "back")
+        tracker.set_version_tags(name, version, {"gate.decision": "refused", "gate.reason": decision.reason})
+        log.info("promote: %s version %s NOT promoted as %s: %s", name, version, gate_cfg.alias, decision.reason)
         return decision
     tau_gap = vllm_result.get("tau_gap")
     # the tau as its tag records it: settle_alias compares tags, and a gain below the tag's precision would win

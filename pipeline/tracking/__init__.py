@@ -150,12 +150,18 @@ def check_sqlite_file(uri: str, field: str) -> None:
         raise PipelineError(f"{field}: '{uri}' names '{path}', which is {kind}, not an SQLite database file")
 
 
+def uses_named_store(cfg: DictConfig) -> bool:
+    """Whether the job tracks to a store the user named (tracking.tracking_uri or MLFLOW_TRACKING_URI), not the
+    local one under paths.root."""
+    return bool(cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+
+
 def check_tracking_uri(cfg: DictConfig) -> None:
     """The tracking URI's own checks that create nothing (credentials in it, a server that does not answer, an
     SQLite path that is not a file), for a job to run before its slower input checks; MLflow's refusals (a file
     store, an unknown scheme, a missing driver) come when the Tracker opens the store. Raises PipelineError naming
     tracking.tracking_uri or MLFLOW_TRACKING_URI. The default local store has nothing to check yet."""
-    if not (cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+    if not uses_named_store(cfg):
         return
     uri, field = tracking_uri(cfg), tracking_uri_field(cfg)
     check_server_reachable(uri, field)
@@ -571,6 +577,9 @@ class Tracker:
         found = self.client.search_model_versions(" and ".join(clauses))
         return [{**v.tags, "version": str(v.version)} for v in found
                 if v.name == name and all(v.tags.get(k) == str(value) for k, value in tags.items())]
+
+    def version_tags(self, name: str, version: str) -> dict[str, str]:
+        return dict(self.client.get_model_version(name, version).tags)
 
     def set_version_tags(self, name: str, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():

@@ -224,3 +224,27 @@ def test_divergences_all_at_near_ties_still_promote():
 
     assert divergence_doubt(vllm_result) is None
     assert decide(1.9, 0.0, "s", None, GATE, lossless_doubt=divergence_doubt(vllm_result)).promote
+
+
+def test_a_rerun_does_not_give_the_alias_back_to_a_version_that_lost_it(registry, caplog):
+    """An operator took `champion` from the version; rerunning its job (which reuses the version) promoted it again
+    as "first champion", undoing the operator's decision."""
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    tracker.client.delete_registered_model_alias("m", "champion")  # taken out of service
+    with caplog.at_level("INFO", logger="pipeline.evaluation.gate"):
+        decision = promote(tracker, "m", first, report(1.50), served(0.01), GATE)  # the same job again
+    assert not decision.promote and "has lost champion since" in decision.reason
+    assert champion(tracker) is None and f"version {first} NOT promoted as champion" in caplog.text
+    assert tracker.client.get_model_version("m", first).tags["gate.decision"] == "refused"
+
+    superseded, _ = register(1.60, 0.01)  # a version another one beat later is not put back either
+    better, _ = register(1.80, 0.01)
+    assert champion(tracker) == better
+    assert not promote(tracker, "m", superseded, report(1.60), served(0.01), GATE).promote
+    assert champion(tracker) == better
+
+    refused, decision = register(1.70, None)  # never promoted (no vLLM check): judged again on a rerun
+    assert not decision.promote
+    assert not promote(tracker, "m", refused, report(1.70), served(0.01), GATE).promote  # 1.70 < 1.80
+    assert "does not beat" in tracker.client.get_model_version("m", refused).tags["gate.reason"]
