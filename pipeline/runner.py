@@ -24,7 +24,7 @@ from pipeline.logs import quieted, setup_job_logging, to_log_files
 from pipeline.paths import StagePaths
 from pipeline.stages import STAGES
 from pipeline.timings import TOTAL_METRIC, StageTimes, stage_metric
-from pipeline.tracking import Tracker, check_tracking_uri
+from pipeline.tracking import Tracker, check_tracking_uri, uses_named_store
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,16 @@ def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
     check_input_files(cfg, stages, ctx.paths)
     check_fits_local_ray(cfg, stages, prompts_made=prompts_saved(ctx.paths.prompts))
+    # A store the user named is opened before anything is made under paths.root (the stage locks): MLflow refuses
+    # some URIs only when it opens them (a file store, a file that is no SQLite database), and a refused job
+    # leaves nothing behind. The local store under paths.root is made only once the locks are held.
+    user_store = Tracker(cfg) if uses_named_store(cfg) else None
     with contextlib.ExitStack() as held:
-        # every stage's lock before MLflow's store: a job refused by another one leaves no run behind
+        # every stage's lock before any run: a job refused by another one leaves no run behind
         locks = {stage: held.enter_context(contextlib.ExitStack()) for stage in stages}
         for stage, lock in locks.items():
             lock.enter_context(stage_lock(ctx.paths.root, stage, ctx.paths.stage_key(stage)))
-        ctx.tracker = Tracker(cfg)  # MLflow's store is created only once the run's input has passed every check
+        ctx.tracker = user_store or Tracker(cfg)
         return _run_under_parent_run(ctx, job, locks)
 
 

@@ -487,6 +487,7 @@ UNUSABLE_TRACKING_URIS = [
     # a database MLflow supports: its driver missing (ModuleNotFoundError, not MLflow's own error) or no server
     ("postgresql://127.0.0.1:1/mlflow", r"MLflow cannot use 'postgresql://127\.0\.0\.1:1/mlflow': \w+"),
     ("sqlite:///{tmp}/a_file/mlflow.db", r"MLflow cannot use 'sqlite:///.*/a_file/mlflow\.db': \w+"),
+    ("sqlite:///{tmp}/a_file", r"MLflow cannot use 'sqlite:///.*/a_file': \w+"),  # a file, not a database
     # a database path that is a folder or a device: named at once (SQLAlchemy retried a folder for ~2 minutes)
     ("sqlite:///{tmp}", r"'sqlite:///.*' names '.*', which is a folder, not an SQLite database file"),
     ("sqlite:////dev/null", r"'sqlite:////dev/null' names '/dev/null', which is not a regular file, not an SQLite "
@@ -498,7 +499,7 @@ UNUSABLE_TRACKING_URIS = [
 
 @pytest.mark.parametrize("uri, message", UNUSABLE_TRACKING_URIS,
                          ids=["file", "path", "scheme", "no_server", "no_host", "ipv6", "port", "driver", "sqlite",
-                              "sqlite_folder", "sqlite_device", "sqlite_relative"])
+                              "sqlite_not_a_database", "sqlite_folder", "sqlite_device", "sqlite_relative"])
 def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, message, tmp_path, capsys, monkeypatch):
     uri = uri.format(tmp=tmp_path)
     monkeypatch.chdir(tmp_path)  # where a relative database would land
@@ -508,11 +509,11 @@ def test_a_tracking_uri_mlflow_cannot_use_is_one_line_before_any_stage(uri, mess
     assert run_job(compose([f"paths.root={tmp_path}", f"tracking.tracking_uri='{uri}'"]), "pipeline") == 2
     line = _error_line(capsys)
     assert re.fullmatch(r"error: tracking\.tracking_uri: " + message + ".*", line), line
-    assert not (tmp_path / "prompts").exists()
+    assert not (tmp_path / "prompts").exists() and not (tmp_path / "locks").exists()  # nothing made for it
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the same URI from the environment names the variable
     assert run_job(compose([f"paths.root={tmp_path}"]), "pipeline") == 2
     assert re.fullmatch(r"error: MLFLOW_TRACKING_URI: " + message + ".*", _error_line(capsys))
-    assert not (tmp_path / "relative.db").exists()
+    assert not (tmp_path / "relative.db").exists() and not (tmp_path / "locks").exists()
 
 
 def test_a_tracking_server_that_does_not_answer_is_named_before_the_verifier_is_read(tmp_path, capsys, monkeypatch):
