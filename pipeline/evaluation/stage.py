@@ -190,9 +190,12 @@ def report_is_of(report: dict, checkpoint: Path, written: Path) -> bool:
         and written.stat().st_mtime >= sealed_at(checkpoint)
 
 
-def _publish(ctx: Context, report: dict, folder: Path) -> None:
+def _publish(ctx: Context, report: dict, folder: Path, reused: bool = False) -> None:
+    """The report's metrics on this stage's run, and its folder as the `eval` artifact unless reused (the run that
+    wrote it holds the files; a rerun does not upload them again)."""
     ctx.log_metrics(_metrics(report))
-    ctx.log_artifact(folder, "eval")
+    if not reused:
+        ctx.log_artifact(folder, "eval")
     log.info("evaluate: pooled tau %.3f, per-position acceptance %s%s", report["pooled_tau"],
              [round(a, 3) for a in report["conditional_acceptance"]],
              f", recommended K {report['profile']['recommended_k']}" if report["profile"] else "")
@@ -207,7 +210,7 @@ def run(ctx: Context, checkpoint: Path, held_out, trained: set[str]) -> dict:
     if finished is not None:
         log.info("evaluate: reusing the finished report in %s", folder)
         ctx.set_tags({"eval.reused": True})
-        _publish(ctx, finished, folder)
+        _publish(ctx, finished, folder, reused=True)
         return finished
     if len(held_out) == 0 and "held_out" in eval_cfg.datasets:
         raise PipelineError("evaluation: no held-out prompts (data.num_eval is 0)")

@@ -168,8 +168,10 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
         ctx.set_tags({"vllm.skipped": reason})
         return {"skipped": reason}
     result = load_result(folder, report)
-    if result:
+    reused = bool(result)
+    if reused:
         log.info("vllm_eval: reusing %s", folder / RESULT_FILE)
+        ctx.set_tags({"vllm.reused": True})
     else:
         served = _run_vllm(ctx, export_dir, requests, report)
         result = {**compare(report, requests, served), "checkpoint_digest": report.get("checkpoint_digest")}
@@ -181,7 +183,8 @@ def run(ctx: Context, export_dir: Path, report: dict, requests: list[dict]) -> d
     if "requests_matching_reference" in result:
         metrics["vllm.requests_matching_reference"] = result["requests_matching_reference"]
     ctx.log_metrics(metrics)
-    ctx.log_artifact(folder / RESULT_FILE, "eval")
+    if not reused:  # the run that wrote it holds the file
+        ctx.log_artifact(folder / RESULT_FILE, "eval")
     log.info("vllm_eval: vLLM tau %.3f vs reference %.3f (gap %.1f%%)%s", result["tau"], report["pooled_tau"],
              100 * result["tau_gap"], "" if result.get("lossless", True) else "; NOT LOSSLESS")
     matching = result.get("requests_matching_reference")

@@ -203,3 +203,6 @@ def test_a_rerun_of_the_default_pipeline_reuses_every_finished_stage(default_run
     assert children["evaluate"].data.tags.get("eval.reused") == "True"
     versions_after = client.search_model_versions("name = 'SmolLM2-135M-Instruct-peagle'")
     assert sorted(v.version for v in versions_after) == sorted(v.version for v in versions_before)
+    assert all(v.tags.get("registry.files") == "complete" for v in versions_after)
+    for stage in ("train", "evaluate", "export", "vllm_eval"):  # the runs that made the files hold them
+        assert client.list_artifacts(children[stage].info.run_id) == [], stage
