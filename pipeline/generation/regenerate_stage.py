@@ -147,6 +147,8 @@ def _save_regenerated(folder: Path, kept: list[dict], info: dict) -> datasets.Da
 def run_regenerate(ctx: Context, train_prompts: datasets.Dataset) -> datasets.Dataset:
     """Self-distillation: the verifier answers every user turn; rows gain input_ids and a per-turn loss_mask."""
     folder, parts_dir = ctx.paths.regenerated, ctx.paths.regenerated_parts
+    # lineage on the stage's run, made or reused, as prompts.key and store.key are on theirs
+    ctx.set_tags({"regenerated.key": ctx.paths.regenerated_key, "regenerated.path": str(folder)})
     if folder.is_dir():
         regenerated = load_saved_dataset(folder, "regenerate")
         log.info("regenerate: reusing %d samples from %s", len(regenerated), folder)

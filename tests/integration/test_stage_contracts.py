@@ -169,6 +169,10 @@ def test_one_parent_run_with_a_child_per_stage(chain):
     assert parent.data.tags["git_sha"] and parent.data.tags["version.torch"]
     artifacts = {a.path for a in client(cfg).list_artifacts(children["capture"].info.run_id, "store")}
     assert "store/manifest.json" in artifacts
+    paths = StagePaths(cfg)  # each data stage's run names what it made: the lineage from prompts to store
+    assert children["prompts"].data.tags["prompts.key"] == paths.prompts_key
+    assert children["regenerate"].data.tags["regenerated.key"] == paths.regenerated_key
+    assert children["capture"].data.tags["store.key"] == paths.store_key
 
 
 def test_rerun_reuses_finished_shards(chain):
