@@ -25,11 +25,12 @@ def test_a_seeded_store_is_a_working_mlflow_store_of_its_own(tmp_path):
     client.create_registered_model("drafter")
     assert client.get_run(run.info.run_id).data.metrics == {"eval.tau": 1.5}
     assert [m.name for m in client.search_registered_models()] == ["drafter"]
-    # the template keeps no experiment: each copy gets MLflow's own Default, and nothing of the other copy
-    assert str(cache) not in client.get_experiment("0").artifact_location
+    # each copy's Default experiment keeps its artifacts beside the copy (not the template's folder, nor ./mlruns
+    # under the folder the job ran from), and nothing of the other copy
+    assert client.get_experiment("0").artifact_location == str(tmp_path / "b" / "artifacts" / "0")
     assert mlflow.MlflowClient(f"sqlite:///{first}").get_experiment_by_name("speculators") is None
     with sqlite3.connect(_template_path(cache)) as template:
-        assert template.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)
+        assert template.execute("SELECT COUNT(*) FROM experiments").fetchone() == (1,)
 
 
 def test_an_existing_store_is_never_replaced(tmp_path):
