@@ -124,8 +124,9 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     if registered and not registered.created:  # the reused version's own card: its labels and lineage
         card = without_gate_decision(ctx.tracking("export").version_description(registered.name,
                                                                                  registered.version))
-    card = card if card.strip() else model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
-                              (registered.name, registered.version) if registered else None)
+    if not card.strip():  # a new export, or a reused version whose card was never written (a stopped job)
+        card = model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
+                          (registered.name, registered.version) if registered else None)
     if tracked:
         _publish(ctx, folder, card, registered)
     else:
