@@ -38,8 +38,8 @@ JOB_STAGES = {
 def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
     """Run `stages` in order under one parent run, each in its child run; log one line as each stage ends, each
     stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
-    also when a stage fails. Every stage's lock is taken before MLflow's store is made, and held until that stage
-    is done.
+    also when a stage fails. Every stage's lock is taken before any MLflow run is made (and before the local store
+    under paths.root is; a store the user named is opened first), and held until that stage is done.
     Returns each stage's result by name (and the parent run's id); raises PipelineError for bad input or a stage
     another job holds, and whatever a stage raises."""
     from pipeline.drafters.build import check_configured_drafter
@@ -288,7 +288,8 @@ def refuse_credentials_in_overrides(arguments: list[str]) -> None:
         if assigned and not key.startswith("-"):
             for uri in URI_IN_OVERRIDE.findall(value):
                 refuse_credentials(uri, key.lstrip("+~"))
-            if USER_INFO.search(value):  # a password with characters that end URI_IN_OVERRIDE's match
+            # a password with characters that end URI_IN_OVERRIDE's match: an '@' after a URI's end
+            if USER_INFO.search(value) and "@" in URI_IN_OVERRIDE.sub("", value):
                 raise PipelineError(f"{key.lstrip('+~')}: a URI in this override carries credentials (user:password@"
                                     "host); give them to the service through its environment instead, so they never "
                                     "reach params, logs or manifests")

@@ -134,7 +134,8 @@ def _promote(ctx: Context, results: dict, run_id: str) -> Any:
     decision = gate.promote(ctx.tracking("promote"), exported["registered_model"], exported["version"], report,
                             results.get("vllm_eval") or vllm_check.load_result(ctx.paths.evaluation, report),
                             ctx.cfg.evaluation.gate)
-    _card_with_gate_decision(ctx, exported["registered_model"], exported["version"], decision)
+    if decision.recorded:
+        _card_with_gate_decision(ctx, exported["registered_model"], exported["version"], decision)
     ctx.set_tags({"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason})
     ctx.log_metrics({"gate.promoted": float(decision.promote)})
     return {"promoted": decision.promote, "reason": decision.reason, "alias": ctx.cfg.evaluation.gate.alias,

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class Decision:
     promote: bool
     reason: str
+    recorded: bool = True  # False: the version's tags and card were left as an earlier decision wrote them
 
 
 def evaluation_signature(report: dict, requests: list[dict]) -> str:
@@ -100,6 +101,10 @@ def tag_tau(tags: dict) -> Optional[float]:
     return tau if math.isfinite(tau) else None
 
 
+# Set on a version once the alias is seen on it after its promotion (not at the promotion's tag, which a job stopped
+# before it moved the alias also leaves): a rerun of its job never gives it back an alias it has lost.
+HELD_ALIAS_TAG = "gate.held_alias_at"
+
 # How long before a promoter read the champion another promoter's promotion still counts as concurrent with it
 # (tag, alias and settle take well under a second; the rest is clock skew between the nodes that promote, which
 # must stay below it). A version promoted earlier that does not hold the alias lost it (superseded, or removed by
@@ -116,13 +121,15 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
     champion = tracker.alias_tags(name, gate_cfg.alias)
     if champion is not None and champion["version"] == str(version):
         decision = Decision(True, f"version {version} already holds {gate_cfg.alias}")
+        if HELD_ALIAS_TAG not in champion:  # promoted by a release before the tag
+            tracker.set_version_tags(name, version, {HELD_ALIAS_TAG: f"{time.time():.3f}"})
         log.info("promote: %s %s", name, decision.reason)
         return decision
-    if tracker.version_tags(name, version).get("gate.decision") == "promoted":
-        decision = Decision(False, f"version {version} was promoted before and has lost {gate_cfg.alias} since "
-                                   "(to a better version, or taken back by an operator); a rerun does not give it "
-                                   "back")
-        tracker.set_version_tags(name, version, {"gate.decision": "refused", "gate.reason": decision.reason})
+    if HELD_ALIAS_TAG in tracker.version_tags(name, version):
+        # its tags and card keep their promotion: a deployment pinned to this version still serves it
+        decision = Decision(False, f"version {version} held {gate_cfg.alias} before and has lost it since (to a "
+                                   "better version, or taken back by an operator); a rerun does not give it back",
+                            recorded=False)
         log.info("promote: %s version %s NOT promoted as %s: %s", name, version, gate_cfg.alias, decision.reason)
         return decision
     tau_gap = vllm_result.get("tau_gap")
@@ -144,6 +151,7 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
     holder = settle_alias(tracker, name, gate_cfg.alias, report["signature"], champion and champion["version"],
                           read_at - CONCURRENT_PROMOTION_S)
     if holder == str(version):
+        tracker.set_version_tags(name, version, {HELD_ALIAS_TAG: f"{time.time():.3f}"})
         log.info("promote: %s version %s promoted as %s: %s", name, version, gate_cfg.alias, decision.reason)
     else:
         log.info("promote: %s version %s passed the gate (%s), but version %s, promoted at the same time with a "

@@ -53,43 +53,62 @@ class Registration(NamedTuple):
 
 def _register(ctx: Context, run_id: str, config: dict, digest: str, report: dict | None,
               lineage: dict) -> Registration:
+    """The version holding this export and evaluation: an earlier one reused, else one registered now. A reused
+    version whose run no longer exists (deleted for good by `mlflow gc`) can never hold files again: it is removed
+    and the export registered anew."""
     name = registered_model_name(ctx.cfg)
-    version, created = ctx.tracking("export").register_once(name, ARTIFACT_PATH, run_id,
-                                                 _version_tags(ctx, config, report, lineage),
-                                                 version_identity(digest, report))
+    tracker = ctx.tracking("export")
+    tags, identity = _version_tags(ctx, config, report, lineage), version_identity(digest, report)
+    version, created = tracker.register_once(name, ARTIFACT_PATH, run_id, tags, identity)
+    if not created and tracker.version_files(name, version).run_id is None:
+        log.warning("export: %s version %s points at a run that no longer exists; registering the export again",
+                    name, version)
+        tracker.delete_version(name, version)
+        version, created = tracker.register_once(name, ARTIFACT_PATH, run_id, tags, identity)
     if created:
         log.info("export: registered %s version %s", name, version)
     ctx.set_tags({"registry.name": name, "registry.version": version, "registry.reused": not created})
     return Registration(name, version, created)
 
 
-def _publish(ctx: Context, folder: Path, card: str, registered: Registration | None) -> None:
+def _publish(ctx: Context, folder: Path, card: str, registered: Registration | None, describe: bool) -> None:
     """Write the card into the export and upload the folder to where its registered version points, then mark the
-    version's files complete (tracking.FILES_TAG). A reused version whose files are complete is not uploaded again;
-    one whose upload never finished (a job stopped while exporting it) gets its files now, in the run it points
-    at. A version this call registered is removed again when its upload fails or is stopped, as far as the store
-    lets (one it cannot remove is completed by the next run), so the registry never keeps pointing at missing
-    files. Without registration the folder goes to this stage's run."""
+    version's files complete (tracking.FILES_TAG); `describe`: set the card as the version's description too (a new
+    version, or a reused one that has none). A reused version whose files are all there is not uploaded again (one
+    registered before the tag existed is tagged then); one whose upload never finished (a job stopped while
+    exporting it) gets its files now, in the run it points at. A version this call registered is removed again
+    when its upload fails or is stopped, as far as the store lets (one it cannot remove is completed by the next
+    run), so the registry never keeps pointing at missing files. Without registration the folder goes to this
+    stage's run."""
     atomic_write_text(folder / CARD_FILE, card)
     seal(folder)  # what a server that downloads this version checks before serving it
     if registered is None:
         ctx.log_artifact(folder, ARTIFACT_PATH)
         return
     tracker = ctx.tracking("export")
-    run_id, artifact_path, complete = tracker.version_files(registered.name, registered.version)
-    if complete:
-        return
-    if not registered.created:
-        log.warning("export: %s version %s has no complete files (a job stopped while exporting it); uploading "
-                    "them now", registered.name, registered.version)
-    try:
-        tracker.log_artifact(folder, artifact_path, run_id=run_id)
-    except BaseException:
-        if registered.created:
-            _remove_unfinished(tracker, registered)
-        raise
-    tracker.describe_version(registered.name, registered.version, card)
-    tracker.mark_files_complete(registered.name, registered.version)
+    where = tracker.version_files(registered.name, registered.version)
+    if not where.complete and not (not registered.created and _uploaded_already(tracker, where, folder)):
+        if not registered.created:
+            log.warning("export: %s version %s has incomplete files (a job stopped while exporting it); uploading "
+                        "them now", registered.name, registered.version)
+        try:
+            tracker.log_artifact(folder, where.artifact_path, run_id=where.run_id)
+        except BaseException:
+            if registered.created:
+                _remove_unfinished(tracker, registered)
+            raise
+    if describe:
+        tracker.describe_version(registered.name, registered.version, card)
+    if not where.complete:
+        tracker.mark_files_complete(registered.name, registered.version)
+
+
+def _uploaded_already(tracker, where, folder: Path) -> bool:
+    """Whether the version's artifact folder holds every file of `folder` at its size (the same export: its digest
+    is the version's identity)."""
+    listed = tracker.artifact_sizes(where.run_id, where.artifact_path)
+    local = {path.relative_to(folder).as_posix(): path.stat().st_size for path in folder.rglob("*") if path.is_file()}
+    return all(listed.get(name) == size for name, size in local.items())
 
 
 def _remove_unfinished(tracker, registered: Registration) -> None:
@@ -124,11 +143,12 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     if registered and not registered.created:  # the reused version's own card: its labels and lineage
         card = without_gate_decision(ctx.tracking("export").version_description(registered.name,
                                                                                  registered.version))
-    if not card.strip():  # a new export, or a reused version whose card was never written (a stopped job)
+    describe = not card.strip()  # a new export, or a reused version whose card was never written (a stopped job)
+    if describe:
         card = model_card(ctx.cfg, config, str(folder), report, {**lineage, DIGEST_TAG: digest},
                           (registered.name, registered.version) if registered else None)
     if tracked:
-        _publish(ctx, folder, card, registered)
+        _publish(ctx, folder, card, registered, describe)
     else:
         atomic_write_text(folder / CARD_FILE, card)
         seal(folder)

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,15 +34,24 @@ HOST_TAG = "process.host"
 # A registered version's tag once every file of its artifact folder is uploaded (the export registers first, so
 # that its card can name the version, then uploads): a version without it is not reused as it is.
 FILES_TAG, FILES_COMPLETE = "registry.files", "complete"
+
+
+class VersionFiles(NamedTuple):
+    run_id: Optional[str]  # None: no run holds them any more
+    artifact_path: str
+    complete: bool
 PID_TAG = "process.pid"
 PID_SPACE_TAG = "process.pid_space"
 
 
-# Names of URI parameters that carry a secret, by kind: any password (libpq's `password` and `sslpassword`,
-# `passphrase`, `pwd`), token, secret, key (`api_key`, `AccountKey`, Google's `key`; not libpq's `sslkey`, a file
-# path), signature or credential (S3's presigned `X-Amz-*`, Azure SAS's `sig`), authorization.
-SECRET_QUERY_KEY = re.compile(r"pass|pwd|token|secret|^key$|(api|access|account|shared|private)[_-]?key$|signature"
-                              r"|credential|^sig$|^auth(orization)?$", re.IGNORECASE)
+# Names of URI parameters that carry a secret, by kind (matched percent-decoded): a password (libpq's `password`
+# and `sslpassword`, `passphrase`, `pwd`; not `passfile` or `sslkey`, which name files), a token (`access_token`,
+# S3's `X-Amz-Security-Token`; not `token_endpoint`, a URL), a secret, a key (`api_key`, `AccountKey`, Google's
+# `key`), a signature or credential (S3's presigned `X-Amz-*`, Azure SAS's `sig`), a JWT, a session id, an
+# authorization.
+SECRET_QUERY_KEY = re.compile(r"^pass(word|wd|phrase)?$|password$|^pwd$|token$|secret|^key$"
+                              r"|(api|access|account|shared|private)[_-]?key$|signature|credential|^sig$|^jwt$"
+                              r"|session[_-]?id$|^auth(orization)?$", re.IGNORECASE)
 
 
 def refuse_credentials(uri: str, source: str) -> None:
@@ -58,8 +67,9 @@ def refuse_credentials(uri: str, source: str) -> None:
         has_user = parts.username is not None or parts.password is not None
     except ValueError as error:  # refused here: a later message would show it whole, credentials and all
         raise PipelineError(f"{source}: '{_redacted(uri)}' is not a valid URI ({error})") from None
-    secret_parameter = any(SECRET_QUERY_KEY.search(match[2]) for match in _PARAMETER.finditer(uri))
-    if not has_user and not secret_parameter:
+    if parts.scheme.lower() in _CONTAINER_AT_ACCOUNT:  # `container@account`: names, not a user
+        has_user = parts.password is not None
+    if not has_user and not _has_secret_parameter(uri):
         return
     shown = _redacted(uri)
     advice = ("put them in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
@@ -71,14 +81,30 @@ def refuse_credentials(uri: str, source: str) -> None:
 
 USER_INFO = re.compile(r"://[^/\s]*@")  # what lies between a scheme and its host's '@' is a user (and password)
 # name=value after '?', '&', ';' or '#': a query's, a fragment's or a path segment's parameter
-_PARAMETER = re.compile(r"([?&;#])([^=&;#?]*)=([^&;#]*)")
+_PARAMETER = re.compile(r"([?&;#])([^=&;#?/]*)=([^&;#]*)")
+# Azure storage URIs name the container (or file system) before the '@': wasbs://container@account.blob...
+_CONTAINER_AT_ACCOUNT = {"wasb", "wasbs", "abfs", "abfss"}
+
+
+def _has_secret_parameter(text: str, depth: int = 0) -> bool:
+    """Whether a parameter of `text` has a secret's name (SECRET_QUERY_KEY, percent-decoded), also inside a value
+    that is itself a list of parameters (ODBC's `odbc_connect=...%3BPWD%3D...`)."""
+    from urllib.parse import unquote
+
+    for _, name, value in _PARAMETER.findall(text):
+        if SECRET_QUERY_KEY.search(unquote(name).strip()):
+            return True
+        decoded = unquote(value)
+        if depth < 2 and "=" in decoded and _has_secret_parameter(";" + decoded, depth + 1):
+            return True
+    return False
 
 
 def _redacted(uri: str) -> str:
     """`uri` with any user info and every parameter value that SECRET_QUERY_KEY names masked, by pattern alone (a
     URI urlsplit cannot parse too)."""
     uri = USER_INFO.sub("://***@", uri)
-    return _PARAMETER.sub(lambda m: f"{m[1]}{m[2]}={'***' if SECRET_QUERY_KEY.search(m[2]) else m[3]}", uri)
+    return _PARAMETER.sub(lambda m: f"{m[1]}{m[2]}={'***' if _has_secret_parameter(m[0]) else m[3]}", uri)
 
 
 def refuse_links(path: Path) -> None:
@@ -387,10 +413,19 @@ class Tracker:
     def _experiment(self, name: str) -> str:
         """The id of experiment `name`, created when missing; either way tagged to open in the model-training
         view unless someone already chose its kind."""
+        from mlflow.exceptions import MlflowException
+
         experiment = self.client.get_experiment_by_name(name)
         if experiment is None:
-            return self.client.create_experiment(name, artifact_location=_artifact_location(self.cfg, self.uri),
-                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            try:
+                return self.client.create_experiment(name, artifact_location=_artifact_location(self.cfg, self.uri),
+                                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            except MlflowException as error:  # another job created it between the read and the create
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                experiment = self.client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
         if EXPERIMENT_KIND_TAG not in experiment.tags:
             self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
@@ -429,8 +464,8 @@ class Tracker:
         try:
             self.client.set_terminated(run_id, status)
         except Exception as error:  # noqa: BLE001 - any store error; the job's own error is what it reports
-            log.warning("tracking: run %s not marked %s (%s); the next job on this host marks it", run_id, status,
-                        first_line(error))
+            log.warning("tracking: run %s not marked %s (%s); the next job on this host marks it once this process "
+                        "has exited", run_id, status, first_line(error))
 
     def _end_runs_of_gone_processes(self) -> None:
         """A job killed outright (SIGKILL, out of memory) leaves its runs RUNNING for ever. Each run of this
@@ -537,13 +572,36 @@ class Tracker:
         """Remove a version, such as one registered by a stage that then failed before its files were logged."""
         self.client.delete_model_version(name, version)
 
-    def version_files(self, name: str, version: str) -> tuple[str, str, bool]:
-        """Where the version's files live, (run id, artifact path under that run), and whether they are all there:
-        its FILES_TAG says so once the upload that followed its registration returned. A version without it was
-        registered by a job stopped before that (SIGKILL, Ctrl-C), or before versions carried the tag."""
+    def version_files(self, name: str, version: str) -> VersionFiles:
+        """Where the version's files live and whether they are all there: its FILES_TAG says so once the upload
+        that followed its registration returned. A version without it was registered by a job stopped before that
+        (SIGKILL, Ctrl-C), or before versions carried the tag. run_id is None when the version names no run or its
+        run no longer exists (`mlflow gc`)."""
+        from mlflow.exceptions import MlflowException
+
         found = self.client.get_model_version(name, version)
+        run_id = found.run_id or None
+        if run_id is not None:
+            try:
+                self.client.get_run(run_id)
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                run_id = None
         path = (found.source or "").rstrip("/").rsplit("/", 1)[-1]
-        return str(found.run_id), path, found.tags.get(FILES_TAG) == FILES_COMPLETE
+        return VersionFiles(run_id, path, found.tags.get(FILES_TAG) == FILES_COMPLETE)
+
+    def artifact_sizes(self, run_id: str, path: str) -> dict[str, int]:
+        """Every file under the run's artifact folder `path`: its path relative to that folder -> bytes."""
+        sizes: dict[str, int] = {}
+        folders = [path]
+        while folders:
+            for entry in self.client.list_artifacts(run_id, folders.pop()):
+                if entry.is_dir:
+                    folders.append(entry.path)
+                else:
+                    sizes[entry.path[len(path) + 1:]] = int(entry.file_size or 0)
+        return sizes
 
     def mark_files_complete(self, name: str, version: str) -> None:
         self.client.set_model_version_tag(name, version, FILES_TAG, FILES_COMPLETE)

@@ -228,15 +228,17 @@ def test_divergences_all_at_near_ties_still_promote():
 
 def test_a_rerun_does_not_give_the_alias_back_to_a_version_that_lost_it(registry, caplog):
     """An operator took `champion` from the version; rerunning its job (which reuses the version) promoted it again
-    as "first champion", undoing the operator's decision."""
+    as "first champion", undoing the operator's decision. Its tags stay as its promotion left them, so a deployment
+    pinned to it still serves it."""
     tracker, register = registry
     first, _ = register(1.50, 0.01)
+    tags_before = tracker.client.get_model_version("m", first).tags
     tracker.client.delete_registered_model_alias("m", "champion")  # taken out of service
     with caplog.at_level("INFO", logger="pipeline.evaluation.gate"):
         decision = promote(tracker, "m", first, report(1.50), served(0.01), GATE)  # the same job again
-    assert not decision.promote and "has lost champion since" in decision.reason
+    assert not decision.promote and not decision.recorded and "has lost it since" in decision.reason
     assert champion(tracker) is None and f"version {first} NOT promoted as champion" in caplog.text
-    assert tracker.client.get_model_version("m", first).tags["gate.decision"] == "refused"
+    assert tracker.client.get_model_version("m", first).tags == tags_before
 
     superseded, _ = register(1.60, 0.01)  # a version another one beat later is not put back either
     better, _ = register(1.80, 0.01)
@@ -248,3 +250,25 @@ def test_a_rerun_does_not_give_the_alias_back_to_a_version_that_lost_it(registry
     assert not decision.promote
     assert not promote(tracker, "m", refused, report(1.70), served(0.01), GATE).promote  # 1.70 < 1.80
     assert "does not beat" in tracker.client.get_model_version("m", refused).tags["gate.reason"]
+
+
+def test_a_version_stopped_before_its_alias_moved_is_judged_again_on_a_rerun(registry, monkeypatch):
+    """The promotion's tags are written before the alias moves: a job stopped in between left a version tagged
+    promoted that never held the alias, and its rerun must still be able to promote it."""
+    tracker, register = registry
+    register(1.50, 0.01)
+    candidate = report(1.80)
+    version = tracker.register("m", "speculator", tracker.client.search_model_versions("name = 'm'")[0].run_id,
+                               {"eval.pooled_tau": "1.8", "eval.signature": candidate["signature"]})
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tracker, "set_alias", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            promote(tracker, "m", version, candidate, served(0.01), GATE)
+    assert tracker.client.get_model_version("m", version).tags["gate.decision"] == "promoted"
+    decision = promote(tracker, "m", version, candidate, served(0.01), GATE)  # the rerun
+    assert decision.promote and champion(tracker) == version
+    assert "gate.held_alias_at" in tracker.client.get_model_version("m", version).tags

@@ -246,6 +246,46 @@ def test_an_export_stopped_while_uploading_leaves_a_version_the_next_run_complet
     assert completed.description == (ctx.paths.export / "README.md").read_text()
 
 
+def test_a_version_registered_before_the_files_tag_is_not_uploaded_again(export, caplog):
+    from pipeline.tracking import FILES_TAG
+
+    ctx, run = export
+    first = run(report())
+    name = first["registered_model"]
+    ctx.tracker.client.delete_model_version_tag(name, first["version"], FILES_TAG)  # as an older release left it
+    card = ctx.tracker.client.get_model_version(name, first["version"]).description
+    ctx.tracker.describe_version(name, first["version"],  # as a promote stage leaves it
+                                 with_gate_decision(card, name, first["version"], True, "first champion", "champion"))
+    again = run(report())
+    assert again["reused"] and "incomplete files" not in caplog.text
+    assert _files_of(ctx, _export_runs(ctx)[-1].info.run_id) == set()  # nothing uploaded a second time
+    version = ctx.tracker.client.get_model_version(name, first["version"])
+    assert version.tags[FILES_TAG] == "complete" and "## Promotion gate" in version.description  # card kept
+
+
+def test_a_version_whose_run_is_gone_for_good_is_registered_again(export, monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    ctx, run = export
+    first = run(report())
+    name = first["registered_model"]
+    gone = ctx.tracker.client.get_model_version(name, first["version"]).run_id
+    real_get_run = ctx.tracker.client.get_run
+
+    def get_run(run_id):  # as after `mlflow gc`
+        if run_id == gone:
+            raise MlflowException(f"Run with id={run_id} not found", error_code=RESOURCE_DOES_NOT_EXIST)
+        return real_get_run(run_id)
+
+    monkeypatch.setattr(ctx.tracker.client, "get_run", get_run)
+    again = run(report())
+    assert again["version"] != first["version"] and not again["reused"]
+    (kept,) = ctx.tracker.client.search_model_versions(f"name = '{name}'")
+    assert str(kept.version) == again["version"] and kept.run_id != gone
+    assert {"config.json", "README.md"} <= _files_of(ctx, kept.run_id)
+
+
 def test_a_version_whose_upload_failed_is_removed(export, monkeypatch):
     ctx, run = export
 
@@ -293,7 +333,11 @@ def test_the_cards_gate_section_says_how_a_refused_version_is_served_and_is_repl
 @pytest.mark.parametrize("uri", ["postgresql://db:5432/mlflow?sslmode=require&sslkey=/etc/mlflow/client.key",
                                  "https://acct.blob.core.windows.net/c/prompts.jsonl?sv=2022-11-02&sp=r",
                                  "sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000/#/experiments/1",
-                                 "s3://bucket/prompts.parquet"])
+                                 "s3://bucket/prompts.parquet", "postgresql://db/mlflow?passfile=/home/u/.pgpass",
+                                 "http://h/?bypass_cache=1", "https://h/api?token_endpoint=https://idp/token",
+                                 "s3://bucket/R&D/passage_len=512/part.parquet",
+                                 "wasbs://container@account.blob.core.windows.net/artifacts",
+                                 "abfss://fs@account.dfs.core.windows.net/artifacts"])
 def test_a_uri_without_secrets_is_not_refused(uri):
     from pipeline.tracking import refuse_credentials
 
@@ -302,10 +346,31 @@ def test_a_uri_without_secrets_is_not_refused(uri):
 
 @pytest.mark.parametrize("uri", ["http://h/x;password=hunter2#token=hunter2", "sqlite:////x.db?SSLPassword=hunter2",
                                  "https://h/p?sig=hunter2&sv=1", "https://h/p?AccountKey=hunter2",
-                                 "https://h/p?X-Amz-Credential=hunter2", "https://h/p?passphrase=hunter2"])
+                                 "https://h/p?X-Amz-Credential=hunter2", "https://h/p?passphrase=hunter2",
+                                 "https://h/p?api%5Fkey=hunter2", "https://h/p?%70assword=hunter2",
+                                 "mssql+pyodbc:///?odbc_connect=DRIVER%3Dx%3BPWD%3Dhunter2", "https://h/p?jwt=hunter2",
+                                 "https://h/p?session_id=hunter2", "wasbs://c:hunter2@account.blob.core.windows.net/a"])
 def test_every_kind_of_secret_parameter_is_refused_and_masked(uri):
     from pipeline.tracking import refuse_credentials
 
     with pytest.raises(PipelineError, match="carries credentials") as refused:
         refuse_credentials(uri, "tracking.tracking_uri")
-    assert "hunter2" not in str(refused.value) and "=***" in str(refused.value)
+    assert "hunter2" not in str(refused.value) and "***" in str(refused.value)
+
+
+def test_two_jobs_that_create_the_experiment_at_once_both_use_it(cfg, monkeypatch):
+    """A named store is opened before the stage locks: two first jobs of one config may both find no experiment
+    and both create it; the second one's create is refused, and it takes the experiment the first made."""
+    import mlflow as mlflow_module
+
+    Tracker(cfg)  # the first job made it
+    real_get = mlflow_module.MlflowClient.get_experiment_by_name
+    reads = []
+
+    def read_before_the_other_job_created_it(self, name):
+        reads.append(name)
+        return None if len(reads) == 1 else real_get(self, name)
+
+    monkeypatch.setattr(mlflow_module.MlflowClient, "get_experiment_by_name", read_before_the_other_job_created_it)
+    second = Tracker(cfg)
+    assert second.experiment_id == real_get(second.client, cfg.tracking.experiment_name).experiment_id
