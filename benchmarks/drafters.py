@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from pipeline.fsutil import output_file_problem  # noqa: E402
+from pipeline.fsutil import atomic_write_text, output_file_problem  # noqa: E402
 
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark"]
 K = 7
@@ -137,14 +137,14 @@ def main() -> None:
         algorithm, length, depth, naive = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), bool(int(sys.argv[5]))
         print(json.dumps(_loss_point(algorithm, length, depth, naive)))
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("harness")
     bench.add_argument("--steps", type=int, default=150)
-    bench.add_argument("--root", default="outputs/bench-drafters")
-    bench.add_argument("--out", default="benchmarks/results/drafters_harness.json")
+    bench.add_argument("--root", default=str(REPO / "outputs" / "bench-drafters"))
+    bench.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "drafters_harness.json"))
     scaling = sub.add_parser("loss-scaling")
-    scaling.add_argument("--out", default="benchmarks/results/loss_scaling.json")
+    scaling.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "loss_scaling.json"))
     args = parser.parse_args()
     if args.command == "harness" and args.steps < 1:
         parser.error(f"--steps {args.steps}: must be at least 1")
@@ -153,11 +153,7 @@ def main() -> None:
     if output_file_problem(args.out):
         parser.error(output_file_problem(args.out))
     result = harness(args) if args.command == "harness" else loss_scaling(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.rename(out)
+    atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from pipeline.fsutil import output_file_problem  # noqa: E402
+from pipeline.fsutil import atomic_write_text, output_file_problem  # noqa: E402
 
 
 def chat_samples(tokenizer, count: int, regenerated: str | None) -> list[list[int]]:
@@ -97,7 +97,7 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--regenerated", default=None, help="a regenerated dataset folder (prompts + answers)")
@@ -111,8 +111,7 @@ def main() -> None:
     if output_file_problem(args.out):
         parser.error(output_file_problem(args.out))
     results = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    atomic_write_text(Path(args.out), json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 
 

@@ -34,10 +34,11 @@ import torch  # noqa: E402
 
 from pipeline.config.schema import DeepSpeedConfig, TrainingConfig  # noqa: E402
 from pipeline.errors import PipelineError, require  # noqa: E402
-from pipeline.fsutil import output_file_problem  # noqa: E402
+from pipeline.fsutil import atomic_write_text, output_file_problem  # noqa: E402
 
 DRAFTERS = ["eagle3", "peagle", "dflash", "dspark", "dflash2"]
 DEVICE = "cuda"
+LOSS_WINDOW = 5  # steps: the loss checks compare the mean of the first and of the last LOSS_WINDOW
 SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                  "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
                  "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 100000.0}
@@ -176,11 +177,14 @@ def check_training(name: str, verifier_path: Path, samples: list[dict], steps: i
         result[label] = {"first_loss": losses[0], "last_loss": losses[-1], "step_s": step_s,
                          "weights_moved": moved(before, engine.module)}
         if label == "bf16":
-            head = statistics.mean(losses[:5])
-            tail = statistics.mean(losses[-5:])
+            head = statistics.mean(losses[:LOSS_WINDOW])
+            tail = statistics.mean(losses[-LOSS_WINDOW:])
             result["bf16"].update({"mean_first5": head, "mean_last5": tail})
             result["ok"] = tail < head and result["bf16"]["weights_moved"] > 0 and (
                 autocast == torch.bfloat16 or DEVICE == "cpu")
+            if not result["ok"]:
+                result["error"] = (f"mean loss of the first {LOSS_WINDOW} steps {head:.4f}, of the last {tail:.4f}; "
+                                   f"weights moved {result['bf16']['weights_moved']}; autocast {autocast}")
             result["model"] = engine.module
     result["bf16_over_fp32_step_time"] = result["bf16"]["step_s"] / result["fp32"]["step_s"]
     return result
@@ -214,7 +218,7 @@ def check_deepspeed(stage: int, verifier_path: Path, samples: list[dict], steps:
         reloaded.engine.load_checkpoint(str(Path(tmp) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
         with reloaded.full_weights():
             difference = max(float((trainable_copy(reloaded.module)[k] - saved[k]).abs().max()) for k in saved)
-    head, tail = statistics.mean(losses[:5]), statistics.mean(losses[-5:])
+    head, tail = statistics.mean(losses[:LOSS_WINDOW]), statistics.mean(losses[-LOSS_WINDOW:])
     return {"ok": tail < head and difference == 0.0 and reduced.tolist() == [1.5, 2.0],
             "backend": torch.distributed.get_backend(), "zero_stage": engine.zero_stage(),
             "mean_first5": head, "mean_last5": tail, "step_s": step_s, "reload_max_abs_diff": difference,
@@ -246,7 +250,8 @@ def run_check(results: dict, key: str, check, *args):
         results[key] = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500],
                         "traceback": traceback.format_exc()[-2000:]}
     results[key]["check_s"] = time.time() - started
-    print(key, "ok" if results[key]["ok"] else "FAILED", flush=True)
+    failed = "" if results[key]["ok"] else f"FAILED: {results[key].get('error', 'see the JSON')}"
+    print(key, failed or "ok", flush=True)
     return results[key]
 
 
@@ -258,8 +263,9 @@ def main() -> int:
     parser.add_argument("--samples", default=32, type=int)
     parser.add_argument("--cpu-dry-run", action="store_true", help="debug the script itself on the CPU (no NCCL)")
     args = parser.parse_args()
-    if args.steps < 2:  # the step time is the median after the first step
-        parser.error(f"--steps {args.steps}: must be at least 2")
+    if args.steps < 2 * LOSS_WINDOW:  # the loss check compares the first and the last LOSS_WINDOW steps
+        parser.error(f"--steps {args.steps}: must be at least {2 * LOSS_WINDOW} (the mean loss of the first "
+                     f"{LOSS_WINDOW} steps is compared with the last {LOSS_WINDOW})")
     if args.samples < 1:
         parser.error(f"--samples {args.samples}: must be at least 1")
     if output_file_problem(args.out):  # written after every check has run: said now
@@ -290,8 +296,7 @@ def main() -> int:
                 run_check(results, f"deepspeed-zero{stage}", check_deepspeed, stage, verifier_path,
                           [by_drafter(s, "peagle", layer_ids, verifier_path) for s in samples], 20)
     results["all_ok"] = all(v.get("ok", True) for v in results.values() if isinstance(v, dict))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+    atomic_write_text(Path(args.out), json.dumps(results, indent=2, default=str))
     print(json.dumps(results, indent=2, default=str))
     return 0 if results["all_ok"] else 1
 

@@ -160,7 +160,7 @@ def compare(before: dict, after: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="git ref of the code to compare against")
     parser.add_argument("--before-root", type=Path, help="output root of a finished run of the old code")
     parser.add_argument("--after-root", type=Path, help="output root of a finished run of this tree")
@@ -170,6 +170,10 @@ def main() -> None:
     args = parser.parse_args()
     result = {"machine": machine(), "overrides": args.overrides, "note": args.note}
     check_out(args.out)
+    if args.before and (args.before_root or args.after_root):  # either pair of runs, not a mix
+        parser.error("give --before REF alone (both runs made here), or --before-root and --after-root")
+    if bool(args.before_root) != bool(args.after_root):
+        parser.error("--before-root and --after-root go together")
     if args.before_root and args.after_root:
         before_root, after_root = args.before_root.expanduser().resolve(), args.after_root.expanduser().resolve()
         flags = ("--before-root", "--after-root")

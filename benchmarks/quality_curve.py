@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.training import (  # noqa: E402
-    STORE_FOLDERS,
     check_overrides,
+    check_store_root,
     check_work,
     fresh_root,
     machine_info,
@@ -249,7 +249,7 @@ def targets_met(curve: dict, ngram: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", required=True, help="an output root with the general store")
     parser.add_argument("--drafters", nargs="+", default=DRAFTERS, choices=["peagle", "eagle3", "dflash"])
     parser.add_argument("--steps", type=int, default=1000)
@@ -268,10 +268,10 @@ def main() -> None:
     if args.points > args.steps:
         parser.error(f"--points {args.points}: more checkpoints than --steps {args.steps}")
     root = Path(args.root).expanduser().resolve()
-    missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
-    if missing or not list(root.glob("stores/*/manifest.json")):
-        parser.error(f"--root {root}: needs the general store (missing {missing or ['stores/*/manifest.json']}); "
-                     f"make it with `python jobs/generate.py experiment=quality_cpu paths.root={root}`")
+    try:
+        check_store_root(root)
+    except PipelineError as error:
+        parser.error(f"{error} (the general store: experiment=quality_cpu)")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-quality-curve"
     check_work(root, work, args.drafters)  # fresh_root empties work/<drafter>: never the root or a folder holding it
     out = Path(args.out)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from pipeline.errors import PipelineError, require  # noqa: E402
 from pipeline.evaluation.gate import tag_tau  # noqa: E402
-from pipeline.fsutil import output_file_problem  # noqa: E402
+from pipeline.fsutil import atomic_write_text, output_file_problem  # noqa: E402
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -116,7 +116,7 @@ def served_target(root: Path, overrides: list[str]) -> tuple:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", required=True, type=Path)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
@@ -157,8 +157,7 @@ def main() -> None:
         "speculative_over_plain_tokens_per_s": results["speculative"]["output_tokens_per_s"]
         / results["plain"]["output_tokens_per_s"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1))
+    atomic_write_text(Path(args.out), json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
 
 

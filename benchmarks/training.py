@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -72,12 +73,50 @@ def one_line(error: BaseException) -> str:
 
 def write_json(result: dict, out: str | Path) -> Path:
     """Atomic: a reader sees the old file or the whole new one, never half of it."""
+    from pipeline.fsutil import atomic_write_text
+
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return out
+
+
+def check_store_root(root: Path, flag: str = "--root") -> None:
+    """`root` holds a generated store: the prompt, regenerated and store folders and a store manifest the pipeline
+    reads (pipeline/data/store.py: load_manifest). Raises PipelineError naming `flag` or the manifest's field."""
+    from pipeline.data.store import load_manifest
+
+    missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
+    manifests = sorted(root.glob("stores/*/manifest.json"))
+    if missing or not manifests:
+        raise PipelineError(f"{flag} {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']})"
+                            f"; make it with `python jobs/generate.py paths.root={root}`")
+    for manifest in manifests:
+        load_manifest(manifest.parent)
+
+
+def failures(result: Any, where: str = "") -> list[str]:
+    """Every part of a benchmark's result that records a failure (an "error" entry): "<where>: <message>"."""
+    found: list[str] = []
+    if isinstance(result, dict):
+        if isinstance(result.get("error"), str):
+            found.append(f"{where or 'result'}: {result['error']}")
+        for key, value in result.items():
+            found += failures(value, f"{where}.{key}" if where else str(key)) if key != "error" else []
+    elif isinstance(result, list):
+        for index, value in enumerate(result):
+            found += failures(value, f"{where}[{index}]")
+    return found
+
+
+def exit_if_any_failed(result: Any, out: Path | str) -> None:
+    """A benchmark whose parts failed (recorded in its JSON, so the others' figures are kept) exits 1 after
+    writing it, with one line naming them: a script or CI must not read it as a pass."""
+    found = failures(result)
+    if found:
+        listed = "; ".join(found)
+        print(f"error: {len(found)} part(s) of the benchmark failed (recorded in {out}): "
+              f"{listed if len(listed) <= 800 else listed[:800] + ' ...'}", file=sys.stderr)
+        sys.exit(1)
 
 
 def machine_info() -> dict:
@@ -299,7 +338,8 @@ def step_time(args) -> dict:
     torch.set_num_threads(1)
     k = args.num_speculative_tokens
     if args.length < PROMPT_TOKENS + 2 * (k + 2):
-        raise PipelineError(f"--length {args.length}: too short for a {PROMPT_TOKENS}-token prompt and K={k}")
+        raise PipelineError(f"--length {args.length}: too short for a {PROMPT_TOKENS}-token prompt and K={k} (at "
+                            f"least {PROMPT_TOKENS + 2 * (k + 2)})")
     verifier = smollm2_verifier()
     config = verifier[2]
     results = {
@@ -350,12 +390,13 @@ def check_work(root: Path, work: Path, names: list[str]) -> None:
 
 
 def check_overrides(runs: list[list[str]]) -> None:
-    """Compose each run's overrides before any run root is emptied: a mistyped --override is one line naming it."""
-    from pipeline.config import compose
+    """Compose and validate each run's overrides before any run root is emptied: a mistyped --override, or a
+    value the job would refuse (an unknown eval set), is one line naming it."""
+    from pipeline.config import compose, validate
 
     for overrides in runs:
         try:
-            compose(overrides)
+            validate(compose(overrides))
         except PipelineError as error:
             raise PipelineError(f"--override: {error}") from None
 
@@ -390,11 +431,7 @@ def read_train_run(overrides: list[str], subroot: Path) -> dict:
 
 def throughput(args) -> dict:
     root = Path(args.root).expanduser().resolve()
-    missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
-    if missing or not list(root.glob("stores/*/manifest.json")):
-        raise PipelineError(f"--root {root}: needs a generated store (missing "
-                            f"{missing or ['stores/*/manifest.json']}); make one with "
-                            f"`python jobs/run_pipeline.py paths.root={root}`")
+    check_store_root(root)
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-training-throughput"
     check_work(root, work, [f"{drafter}-w{workers}" for drafter in args.drafters for workers in (1, 2)])
     check_overrides([[f"paths.root={work / f'{drafter}-w1'}", f"drafter={drafter}", *args.override]
@@ -509,7 +546,7 @@ def feed(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     steps = sub.add_parser("step-time", help="one training step, ours vs speculators")
     steps.add_argument("--length", type=int, default=384)
@@ -548,6 +585,7 @@ def main() -> None:
     out = write_json(result, args.out)
     print(json.dumps(result, indent=2))
     print(f"written to {out}", file=sys.stderr)
+    exit_if_any_failed(result, out)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.training import (  # noqa: E402
-    STORE_FOLDERS,
     check_overrides,
+    check_store_root,
     check_work,
+    exit_if_any_failed,
     fresh_root,
     machine_info,
     one_line,
@@ -531,7 +532,7 @@ def record(result: dict, algorithm: str, outcome: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", required=True, help="an output root with a generated store")
     parser.add_argument("--drafters", nargs="+", default=DRAFTERS, choices=DRAFTERS)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps, both sides")
@@ -555,13 +556,11 @@ def main() -> None:
         parser.error(output_file_problem(args.out))
 
     root = Path(args.root).expanduser().resolve()
-    missing = [folder for folder in STORE_FOLDERS if not (root / folder).is_dir()]
-    if missing or not list(root.glob("stores/*/manifest.json")):
-        raise PipelineError(f"--root {root}: needs a generated store (missing {missing or ['stores/*/manifest.json']})")
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-versus-speculators"
-    # Before any work folder is emptied (fresh_root): never one holding --root, and overrides that compose.
-    check_work(root, work, [f"ours-{algorithm}" for algorithm in args.drafters])
+    # Before any work folder is emptied (fresh_root): overrides the job takes, a store, never a folder holding it.
     check_overrides([ours_overrides(work / f"ours-{algorithm}", algorithm, args) for algorithm in args.drafters])
+    check_store_root(root)
+    check_work(root, work, [f"ours-{algorithm}" for algorithm in args.drafters])
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -583,6 +582,7 @@ def main() -> None:
               file=sys.stderr, flush=True)
         write_json(result, args.out)
     print(json.dumps({a: r.get("ours_over_theirs", r.get("error")) for a, r in result["drafters"].items()}))
+    exit_if_any_failed({algorithm: result["drafters"][algorithm] for algorithm in args.drafters}, args.out)
 
 
 if __name__ == "__main__":

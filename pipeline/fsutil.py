@@ -130,11 +130,20 @@ def safetensors_is_whole(path: Path) -> bool:
 
 def output_file_problem(path: Path | str, flag: str = "--out") -> str | None:
     """Why `path` cannot take a file this process writes at the end of a long run (None when it can): it is a
-    folder, or a folder above it is a file. Checked before the run, so a mistyped --out is one line at once rather
-    than a traceback after the work."""
+    folder, a folder above it is a file, or the nearest folder above it that exists takes no new file (a probe
+    file is made there and removed at once: permissions, a read-only or virtual file system). Checked before the
+    run, so a mistyped --out is one line at once rather than a traceback after the work."""
+    import tempfile
+
     path = Path(path)
     if path.is_dir():
         return f"{flag} {path}: is a folder; give the JSON file to write"
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         return f"{flag} {path}: a folder above it is a file"
+    nearest = next(parent for parent in path.absolute().parents if parent.exists())
+    try:
+        with tempfile.NamedTemporaryFile(dir=nearest, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        return f"{flag} {path}: cannot write in {nearest} ({error.strerror or error})"
     return None

@@ -23,6 +23,10 @@ from pipeline.paths import StagePaths
 REPO = Path(__file__).resolve().parents[2]
 
 
+# what the capture stage writes for a store with no shard yet: the benchmarks' store check reads it as a store
+EMPTY_STORE_MANIFEST = json.dumps({"layer_ids": [1], "shards": [], "num_samples": 0, "num_tokens": 0, "bytes": 0})
+
+
 def _cli(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -141,7 +145,7 @@ def test_pipeline_time_refuses_bad_overrides_and_out_before_making_a_worktree(tm
 def test_quality_curve_update_names_a_file_it_cannot_add_to(tmp_path, text, expected):
     for folder in ("prompts", "regenerated", "stores/key"):
         (tmp_path / "root" / folder).mkdir(parents=True)
-    (tmp_path / "root" / "stores" / "key" / "manifest.json").write_text("{}")
+    (tmp_path / "root" / "stores" / "key" / "manifest.json").write_text(EMPTY_STORE_MANIFEST)
     out = tmp_path / "curve.json"
     out.write_text(text)
     result = _cli("benchmarks/quality_curve.py", "--root", str(tmp_path / "root"), "--work", str(tmp_path / "work"),
@@ -172,7 +176,7 @@ def test_quality_curve_never_empties_a_work_folder_that_holds_the_root(tmp_path)
     root = tmp_path / "peagle" / "root"
     for folder in ("prompts", "regenerated", "stores/key"):
         (root / folder).mkdir(parents=True)
-    (root / "stores" / "key" / "manifest.json").write_text("{}")
+    (root / "stores" / "key" / "manifest.json").write_text(EMPTY_STORE_MANIFEST)
     result = _cli("benchmarks/quality_curve.py", "--root", str(root), "--work", str(tmp_path), "--drafters", "peagle",
                   cwd=tmp_path)
     _one_line(result, f"--work {tmp_path}: {tmp_path / 'peagle'} would be emptied")
@@ -253,6 +257,19 @@ def test_an_out_file_under_a_file_is_one_line_before_the_run(tmp_path, script, a
     _one_line(result, f"--out {out}: a folder above it is a file")
 
 
+@pytest.mark.parametrize("script, args", [
+    ("benchmarks/serving.py", ["--root", "{root}"]), ("benchmarks/gpu_check.py", ["--tokenizer", "{root}"]),
+    ("benchmarks/drafters.py", ["harness"]), ("benchmarks/generation.py", []),
+    ("benchmarks/training.py", ["step-time"]), ("benchmarks/versus_speculators.py", ["--root", "{root}"]),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_an_out_file_where_no_file_can_be_made_is_one_line_before_the_run(tmp_path, script, args):
+    """A folder that takes no new file (sysfs refuses even root) failed only at the final write, with a
+    traceback after the whole run."""
+    out = Path("/sys/result.json")
+    result = _cli(script, *[a.format(root=tmp_path) for a in args], "--out", str(out), cwd=tmp_path)
+    _one_line(result, f"--out {out}: cannot write in /sys (")
+
+
 def test_an_output_file_problem_names_a_folder_and_a_file_above():
     from pipeline.fsutil import output_file_problem
 
@@ -262,3 +279,54 @@ def test_an_output_file_problem_names_a_folder_and_a_file_above():
         (Path(folder) / "f").write_text("")
         assert output_file_problem(Path(folder) / "f" / "x.json", "--json") == \
             f"--json {Path(folder) / 'f' / 'x.json'}: a folder above it is a file"
+
+
+def test_an_eval_set_the_pipeline_would_refuse_is_one_line_before_any_drafter_runs(tmp_path):
+    """versus_speculators ran every drafter's job, each refused 'bogus', and exited 0 with a JSON of errors."""
+    from benchmarks.training import STORE_FOLDERS
+
+    for folder in STORE_FOLDERS:
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stores" / "x").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stores" / "x" / "manifest.json").write_text(EMPTY_STORE_MANIFEST)
+    out = tmp_path / "versus.json"
+    result = _cli("benchmarks/versus_speculators.py", "--root", str(tmp_path), "--eval-sets", "bogus",
+                  "--out", str(out), cwd=tmp_path)
+    _one_line(result, "evaluation.datasets: unknown eval set 'bogus'")
+    assert not out.exists() and not (tmp_path / "bench-versus-speculators").exists()
+
+
+def test_a_benchmark_whose_parts_failed_names_them_and_exits_1(tmp_path, capsys):
+    from benchmarks.training import exit_if_any_failed, failures
+
+    result = {"machine": {}, "drafters": {"peagle": {"ours_over_theirs": 1.1},
+                                          "eagle3": {"error": "ours: exited 2"},
+                                          "dflash": {"workers": {"2": {"error": "ran past 60s"}}}}}
+    assert failures(result) == ["drafters.eagle3: ours: exited 2", "drafters.dflash.workers.2: ran past 60s"]
+    assert failures({"drafters": {"peagle": {"ours_over_theirs": 1.1}}}) == []
+    with pytest.raises(SystemExit) as exited:
+        exit_if_any_failed(result, tmp_path / "r.json")
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.startswith("error: 2 part(s) of the benchmark failed (recorded in ")
+
+
+@pytest.mark.parametrize("script", ["benchmarks/quality_curve.py", "benchmarks/versus_speculators.py"])
+def test_a_store_manifest_the_pipeline_would_refuse_is_one_line_before_any_work(tmp_path, script):
+    """An empty `{}` manifest passed the store check, and quality_curve started regenerating the whole store."""
+    for folder in ("prompts", "regenerated", "stores/key"):
+        (tmp_path / "root" / folder).mkdir(parents=True)
+    (tmp_path / "root" / "stores" / "key" / "manifest.json").write_text("{}")
+    result = _cli(script, "--root", str(tmp_path / "root"), "--work", str(tmp_path / "work"),
+                  "--out", str(tmp_path / "out.json"), cwd=tmp_path)
+    _one_line(result, "'layer_ids' must be a list of layer numbers")
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("args", [["--before", "HEAD", "--after-root", "{tmp}"], ["--after-root", "{tmp}"],
+                                  ["--before-root", "{tmp}"]])
+def test_pipeline_time_refuses_a_mix_of_its_two_ways_instead_of_ignoring_one(tmp_path, args):
+    result = _cli("benchmarks/pipeline_time.py", *[a.format(tmp=tmp_path) for a in args],
+                  "--out", str(tmp_path / "t.json"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--before-root and --after-root" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "t.json").exists()
