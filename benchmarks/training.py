@@ -429,13 +429,19 @@ def read_train_run(overrides: list[str], subroot: Path) -> dict:
             "final_loss": metrics.get("train.loss")}
 
 
+def throughput_overrides(subroot: Path, drafter: str, workers: int, args) -> list[str]:
+    return [f"paths.root={subroot}", f"drafter={drafter}", f"training.num_workers={workers}",
+            f"training.max_steps={args.steps}", f"training.log_every={args.steps}",
+            f"training.checkpoint_every={args.steps}", "training.val_samples=0", *args.override]
+
+
 def throughput(args) -> dict:
     root = Path(args.root).expanduser().resolve()
     check_store_root(root)
     work = Path(args.work).expanduser().resolve() if args.work else root / "bench-training-throughput"
     check_work(root, work, [f"{drafter}-w{workers}" for drafter in args.drafters for workers in (1, 2)])
-    check_overrides([[f"paths.root={work / f'{drafter}-w1'}", f"drafter={drafter}", *args.override]
-                     for drafter in args.drafters])
+    check_overrides([throughput_overrides(work / f"{drafter}-w{workers}", drafter, workers, args)
+                     for drafter in args.drafters for workers in (1, 2)])  # the very lists the runs use
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     results = {"machine": machine_info(), "root": str(root), "work": str(work), "steps": args.steps,
                "extra_overrides": args.override, "tokens_per_s_counts": TOKENS_PER_S_COUNTS, "drafters": {}}
@@ -444,9 +450,7 @@ def throughput(args) -> dict:
         for workers in (1, 2):
             subroot = work / f"{drafter}-w{workers}"
             fresh_root(root, subroot)
-            overrides = [f"paths.root={subroot}", f"drafter={drafter}", f"training.num_workers={workers}",
-                         f"training.max_steps={args.steps}", f"training.log_every={args.steps}",
-                         f"training.checkpoint_every={args.steps}", "training.val_samples=0", *args.override]
+            overrides = throughput_overrides(subroot, drafter, workers, args)
             print(f"[throughput] {drafter} x{workers}: jobs/train.py {' '.join(overrides)}", file=sys.stderr,
                   flush=True)
             started = time.time()

@@ -570,6 +570,7 @@ def main() -> None:
     if args.update:
         earlier = earlier_result(Path(args.out), result)
         result = {**earlier, **result, "drafters": earlier.get("drafters", {})}
+    outcomes = {}  # this run's, for the exit status: with --update, record() keeps an earlier figure beside a failure
     for algorithm in args.drafters:
         print(f"[versus] {algorithm} ...", file=sys.stderr, flush=True)
         try:
@@ -577,12 +578,13 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - one drafter's failure is a result, not the end of the run
             outcome = {"error": one_line(error)}
         outcome["machine"] = result["machine"]  # rows of one file may come from runs on different machines
+        outcomes[algorithm] = {"error": outcome["error"]} if "error" in outcome else {}
         record(result, algorithm, outcome)
         print(f"[versus] {algorithm}: {json.dumps(result['drafters'][algorithm].get('ours_over_theirs'))}",
               file=sys.stderr, flush=True)
         write_json(result, args.out)
     print(json.dumps({a: r.get("ours_over_theirs", r.get("error")) for a, r in result["drafters"].items()}))
-    exit_if_any_failed({algorithm: result["drafters"][algorithm] for algorithm in args.drafters}, args.out)
+    exit_if_any_failed(outcomes, args.out)
 
 
 if __name__ == "__main__":

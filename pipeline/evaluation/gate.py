@@ -101,9 +101,16 @@ def tag_tau(tags: dict) -> Optional[float]:
     return tau if math.isfinite(tau) else None
 
 
-# Set on a version once the alias is seen on it after its promotion (not at the promotion's tag, which a job stopped
-# before it moved the alias also leaves): a rerun of its job never gives it back an alias it has lost.
+# Set on a version once the alias is seen on it after its promotion (not at the promotion's tags, which a job stopped
+# before it moved the alias also leaves; those carry ALIAS_PENDING_TAG): a rerun of its job never gives it back an
+# alias it has lost. A version promoted by a release before these tags has neither and counts as having held it.
 HELD_ALIAS_TAG = "gate.held_alias_at"
+ALIAS_PENDING_TAG = "gate.alias_pending_at"
+
+
+def held_alias_before(tags: dict[str, str]) -> bool:
+    """Whether a version's tags say the alias was on it once (HELD_ALIAS_TAG, or promoted by an older release)."""
+    return HELD_ALIAS_TAG in tags or (tags.get("gate.decision") == "promoted" and ALIAS_PENDING_TAG not in tags)
 
 # How long before a promoter read the champion another promoter's promotion still counts as concurrent with it
 # (tag, alias and settle take well under a second; the rest is clock skew between the nodes that promote, which
@@ -125,7 +132,7 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
             tracker.set_version_tags(name, version, {HELD_ALIAS_TAG: f"{time.time():.3f}"})
         log.info("promote: %s %s", name, decision.reason)
         return decision
-    if HELD_ALIAS_TAG in tracker.version_tags(name, version):
+    if held_alias_before(tracker.version_tags(name, version)):
         # its tags and card keep their promotion: a deployment pinned to this version still serves it
         decision = Decision(False, f"version {version} held {gate_cfg.alias} before and has lost it since (to a "
                                    "better version, or taken back by an operator); a rerun does not give it back",
@@ -140,7 +147,7 @@ def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: di
                       divergence_doubt(vllm_result) if tau_gap is not None else None)
     tags = {"gate.decision": "promoted" if decision.promote else "refused", "gate.reason": decision.reason}
     if decision.promote:
-        tags["gate.promoted_at"] = f"{time.time():.3f}"
+        tags["gate.promoted_at"] = tags[ALIAS_PENDING_TAG] = f"{time.time():.3f}"
     if tau_gap is not None:
         tags.update({"vllm.tau": f"{vllm_result['tau']:.4f}", "vllm.tau_gap": f"{tau_gap:.4f}"})
     tracker.set_version_tags(name, version, tags)  # before the alias moves: a concurrent promoter's settle sees it

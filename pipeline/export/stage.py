@@ -60,10 +60,10 @@ def _register(ctx: Context, run_id: str, config: dict, digest: str, report: dict
     tracker = ctx.tracking("export")
     tags, identity = _version_tags(ctx, config, report, lineage), version_identity(digest, report)
     version, created = tracker.register_once(name, ARTIFACT_PATH, run_id, tags, identity)
-    if not created and tracker.version_files(name, version).run_id is None:
+    while not created and tracker.version_files(name, version).run_id is None:  # each such version, oldest first
         log.warning("export: %s version %s points at a run that no longer exists; registering the export again",
                     name, version)
-        tracker.delete_version(name, version)
+        tracker.delete_version(name, version, missing_ok=True)  # another job may have removed it first
         version, created = tracker.register_once(name, ARTIFACT_PATH, run_id, tags, identity)
     if created:
         log.info("export: registered %s version %s", name, version)
@@ -87,7 +87,9 @@ def _publish(ctx: Context, folder: Path, card: str, registered: Registration | N
         return
     tracker = ctx.tracking("export")
     where = tracker.version_files(registered.name, registered.version)
-    if not where.complete and not (not registered.created and _uploaded_already(tracker, where, folder)):
+    # a card written now (`describe`) is not the one an earlier upload holds: its files go up again with it
+    reusable = not registered.created and not describe and _uploaded_already(tracker, where, folder)
+    if not where.complete and not reusable:
         if not registered.created:
             log.warning("export: %s version %s has incomplete files (a job stopped while exporting it); uploading "
                         "them now", registered.name, registered.version)

@@ -45,11 +45,12 @@ PID_SPACE_TAG = "process.pid_space"
 
 
 # Names of URI parameters that carry a secret, by kind (matched percent-decoded): a password (libpq's `password`
-# and `sslpassword`, `passphrase`, `pwd`; not `passfile` or `sslkey`, which name files), a token (`access_token`,
+# and `sslpassword`, `passphrase`, `db_pass`, `passwd`, `pwd`; not `passfile` or `sslkey`, which name files, nor
+# `bypass_*`), a token (`access_token`,
 # S3's `X-Amz-Security-Token`; not `token_endpoint`, a URL), a secret, a key (`api_key`, `AccountKey`, Google's
 # `key`), a signature or credential (S3's presigned `X-Amz-*`, Azure SAS's `sig`), a JWT, a session id, an
 # authorization.
-SECRET_QUERY_KEY = re.compile(r"^pass(word|wd|phrase)?$|password$|^pwd$|token$|secret|^key$"
+SECRET_QUERY_KEY = re.compile(r"(^|[_-])pass([_-]?phrase)?$|passw(or)?d$|passphrase$|pwd$|token$|secret|^key$"
                               r"|(api|access|account|shared|private)[_-]?key$|signature|credential|^sig$|^jwt$"
                               r"|session[_-]?id$|^auth(orization)?$", re.IGNORECASE)
 
@@ -64,11 +65,12 @@ def refuse_credentials(uri: str, source: str) -> None:
 
     try:
         parts = urlsplit(uri)
-        has_user = parts.username is not None or parts.password is not None
+        # USER_PASSWORD too: a password holding '#' or '?' ends urlsplit's authority early (it sees no user)
+        has_user = parts.username is not None or parts.password is not None or bool(USER_PASSWORD.search(uri))
     except ValueError as error:  # refused here: a later message would show it whole, credentials and all
         raise PipelineError(f"{source}: '{_redacted(uri)}' is not a valid URI ({error})") from None
     if parts.scheme.lower() in _CONTAINER_AT_ACCOUNT:  # `container@account`: names, not a user
-        has_user = parts.password is not None
+        has_user = parts.password is not None or bool(USER_PASSWORD.search(uri))
     if not has_user and not _has_secret_parameter(uri):
         return
     shown = _redacted(uri)
@@ -80,6 +82,7 @@ def refuse_credentials(uri: str, source: str) -> None:
 
 
 USER_INFO = re.compile(r"://[^/\s]*@")  # what lies between a scheme and its host's '@' is a user (and password)
+USER_PASSWORD = re.compile(r"://[^/\s@:]*:[^/\s]*@")  # user:password@, whatever characters the password holds
 # name=value after '?', '&', ';' or '#': a query's, a fragment's or a path segment's parameter
 _PARAMETER = re.compile(r"([?&;#])([^=&;#?/]*)=([^&;#]*)")
 # Azure storage URIs name the container (or file system) before the '@': wasbs://container@account.blob...
@@ -568,9 +571,16 @@ class Tracker:
         """Set the version's description (markdown, shown on its page in the MLflow UI)."""
         self.client.update_model_version(name, version, description=description)
 
-    def delete_version(self, name: str, version: str) -> None:
-        """Remove a version, such as one registered by a stage that then failed before its files were logged."""
-        self.client.delete_model_version(name, version)
+    def delete_version(self, name: str, version: str, missing_ok: bool = False) -> None:
+        """Remove a version, such as one registered by a stage that then failed before its files were logged;
+        `missing_ok`: one already gone is no error."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.delete_model_version(name, version)
+        except MlflowException as error:
+            if not (missing_ok and error.error_code == "RESOURCE_DOES_NOT_EXIST"):
+                raise
 
     def version_files(self, name: str, version: str) -> VersionFiles:
         """Where the version's files live and whether they are all there: its FILES_TAG says so once the upload

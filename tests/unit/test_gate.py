@@ -272,3 +272,15 @@ def test_a_version_stopped_before_its_alias_moved_is_judged_again_on_a_rerun(reg
     decision = promote(tracker, "m", version, candidate, served(0.01), GATE)  # the rerun
     assert decision.promote and champion(tracker) == version
     assert "gate.held_alias_at" in tracker.client.get_model_version("m", version).tags
+
+
+def test_a_version_an_older_release_promoted_keeps_the_rerun_rule(registry):
+    """Versions promoted before the held-alias tag existed carry only gate.decision=promoted: one that has lost the
+    alias is still not given it back by a rerun."""
+    tracker, register = registry
+    first, _ = register(1.50, 0.01)
+    for tag in ("gate.held_alias_at", "gate.alias_pending_at"):  # as an older release left it
+        tracker.client.delete_model_version_tag("m", first, tag)
+    tracker.client.delete_registered_model_alias("m", "champion")
+    decision = promote(tracker, "m", first, report(1.50), served(0.01), GATE)
+    assert not decision.promote and champion(tracker) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -198,6 +199,18 @@ def _files_of(ctx, run_id: str, path: str = "speculator") -> set[str]:
     return {entry.path.rsplit("/", 1)[-1] for entry in ctx.tracker.client.list_artifacts(run_id, path)}
 
 
+def version_run(ctx, name: str, version: str) -> str:
+    return ctx.tracker.client.get_model_version(name, version).run_id
+
+
+def _uploaded_file(ctx, name: str, version: str, file: str) -> Path:
+    """The version's file in the local store's artifact folder (where MLflow keeps what it uploaded)."""
+    from urllib.parse import urlparse
+
+    uri = ctx.tracker.client.get_run(version_run(ctx, name, version)).info.artifact_uri
+    return Path(urlparse(uri).path) / "speculator" / file
+
+
 def _export_runs(ctx) -> list:
     return ctx.tracker.client.search_runs([ctx.tracker.experiment_id], "tags.stage = 'export'",
                                           order_by=["attributes.start_time ASC"])
@@ -256,11 +269,33 @@ def test_a_version_registered_before_the_files_tag_is_not_uploaded_again(export,
     card = ctx.tracker.client.get_model_version(name, first["version"]).description
     ctx.tracker.describe_version(name, first["version"],  # as a promote stage leaves it
                                  with_gate_decision(card, name, first["version"], True, "first champion", "champion"))
+    stored = Path(ctx.tracker.client.download_artifacts(version_run(ctx, name, first["version"]),
+                                                        "speculator/README.md", str(ctx.paths.root / "dl1")))
+    uploaded = _uploaded_file(ctx, name, first["version"], "README.md")
+    modified = uploaded.stat().st_mtime_ns
     again = run(report())
     assert again["reused"] and "incomplete files" not in caplog.text
-    assert _files_of(ctx, _export_runs(ctx)[-1].info.run_id) == set()  # nothing uploaded a second time
+    assert uploaded.stat().st_mtime_ns == modified and uploaded.read_text() == stored.read_text()  # not uploaded again
     version = ctx.tracker.client.get_model_version(name, first["version"])
     assert version.tags[FILES_TAG] == "complete" and "## Promotion gate" in version.description  # card kept
+
+
+def test_a_version_left_without_its_card_gets_the_card_it_uploads(export):
+    """A job killed after the upload but before the description: the rerun writes a new card (its own lineage), and
+    must upload it too, or the description and the version's README.md disagree."""
+    from pipeline.tracking import FILES_TAG
+
+    ctx, run = export
+    first = run(report())
+    name = first["registered_model"]
+    ctx.tracker.client.delete_model_version_tag(name, first["version"], FILES_TAG)
+    ctx.tracker.describe_version(name, first["version"], "")
+    label = "Z" * len(ctx.cfg.data.name)  # a new card of the same size as the uploaded one: sizes cannot tell
+    ctx.cfg.data.name = label
+    run(report())
+    version = ctx.tracker.client.get_model_version(name, first["version"])
+    assert label in version.description
+    assert _uploaded_file(ctx, name, first["version"], "README.md").read_text() == version.description
 
 
 def test_a_version_whose_run_is_gone_for_good_is_registered_again(export, monkeypatch):
@@ -334,7 +369,8 @@ def test_the_cards_gate_section_says_how_a_refused_version_is_served_and_is_repl
                                  "https://acct.blob.core.windows.net/c/prompts.jsonl?sv=2022-11-02&sp=r",
                                  "sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000/#/experiments/1",
                                  "s3://bucket/prompts.parquet", "postgresql://db/mlflow?passfile=/home/u/.pgpass",
-                                 "http://h/?bypass_cache=1", "https://h/api?token_endpoint=https://idp/token",
+                                 "http://h/?bypass_cache=1", "http://h/?bypass=1",
+                                 "https://h/api?token_endpoint=https://idp/token",
                                  "s3://bucket/R&D/passage_len=512/part.parquet",
                                  "wasbs://container@account.blob.core.windows.net/artifacts",
                                  "abfss://fs@account.dfs.core.windows.net/artifacts"])
@@ -349,13 +385,17 @@ def test_a_uri_without_secrets_is_not_refused(uri):
                                  "https://h/p?X-Amz-Credential=hunter2", "https://h/p?passphrase=hunter2",
                                  "https://h/p?api%5Fkey=hunter2", "https://h/p?%70assword=hunter2",
                                  "mssql+pyodbc:///?odbc_connect=DRIVER%3Dx%3BPWD%3Dhunter2", "https://h/p?jwt=hunter2",
-                                 "https://h/p?session_id=hunter2", "wasbs://c:hunter2@account.blob.core.windows.net/a"])
+                                 "https://h/p?session_id=hunter2", "wasbs://c:hunter2@account.blob.core.windows.net/a",
+                                 "postgresql://u:hun#ter2@db/mlflow", "postgresql://u:hun?ter2@db/mlflow",
+                                 "https://h/p?user_pass=hunter2", "https://h/p?db_pass=hunter2",
+                                 "https://h/p?mysql_passwd=hunter2", "https://h/p?db_pwd=hunter2",
+                                 "https://h/p?pass_phrase=hunter2"])
 def test_every_kind_of_secret_parameter_is_refused_and_masked(uri):
     from pipeline.tracking import refuse_credentials
 
     with pytest.raises(PipelineError, match="carries credentials") as refused:
         refuse_credentials(uri, "tracking.tracking_uri")
-    assert "hunter2" not in str(refused.value) and "***" in str(refused.value)
+    assert "hunter2" not in str(refused.value) and "ter2" not in str(refused.value) and "***" in str(refused.value)
 
 
 def test_two_jobs_that_create_the_experiment_at_once_both_use_it(cfg, monkeypatch):
