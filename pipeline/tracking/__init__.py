@@ -31,25 +31,26 @@ SEPARATOR = " · "
 # The host's name is for people; process ids are compared only within one boot of one machine and one pid
 # namespace (two containers, or two machines, may share a host name).
 HOST_TAG = "process.host"
+PID_TAG = "process.pid"
+PID_SPACE_TAG = "process.pid_space"
 # A registered version's tag once every file of its artifact folder is uploaded (the export registers first, so
 # that its card can name the version, then uploads): a version without it is not reused as it is.
 FILES_TAG, FILES_COMPLETE = "registry.files", "complete"
 
 
 class VersionFiles(NamedTuple):
+    """Where a registered version's files live (Tracker.version_files)."""
+
     run_id: Optional[str]  # None: no run holds them any more
     artifact_path: str
     complete: bool
-PID_TAG = "process.pid"
-PID_SPACE_TAG = "process.pid_space"
 
 
 # Names of URI parameters that carry a secret, by kind (matched percent-decoded): a password (libpq's `password`
 # and `sslpassword`, `passphrase`, `db_pass`, `passwd`, `pwd`; not `passfile` or `sslkey`, which name files, nor
-# `bypass_*`), a token (`access_token`,
-# S3's `X-Amz-Security-Token`; not `token_endpoint`, a URL), a secret, a key (`api_key`, `AccountKey`, Google's
-# `key`), a signature or credential (S3's presigned `X-Amz-*`, Azure SAS's `sig`), a JWT, a session id, an
-# authorization.
+# `bypass_*`), a token (`access_token`, S3's `X-Amz-Security-Token`; not `token_endpoint`, a URL), a secret, a key
+# (`api_key`, `AccountKey`, Google's `key`), a signature or credential (S3's presigned `X-Amz-*`, Azure SAS's
+# `sig`), a JWT, a session id, an authorization.
 SECRET_QUERY_KEY = re.compile(r"(^|[_-])pass([_-]?phrase)?$|passw(or)?d$|passphrase$|pwd$|token$|secret|^key$"
                               r"|(api|access|account|shared|private)[_-]?key$|signature|credential|^sig$|^jwt$"
                               r"|session[_-]?id$|^auth(orization)?$", re.IGNORECASE)
