@@ -226,6 +226,8 @@ class StagePaths:
         data = _used_data_settings(cfg.data)
         writer = [verifier, cfg.verifier.compute_dtype] if cfg.data.source in WRITTEN_BY_THE_VERIFIER else []
         self.prompts_key = content_key(data, "split-v2", *writer)
+        # what the prompts stage checks the file it reads against: the bytes this key was made of
+        self.prompt_file_sha256: str | None = data.get("path_sha256")
         gen = cfg.generation
         regeneration = result_settings(gen, GenerationConfig)
         if gen.temperature > 0:
@@ -263,6 +265,10 @@ class StagePaths:
         # sets-v2: a named set leaves out the training split's prompts by their user turns (eval_sets.trained_prompts),
         # not by whole conversation: a report measured on the old sets may hold trained prompts and is not reused.
         self.evaluation_key = content_key(self.train_key, measured, data, "sets-v2")
+        # what the evaluate stage checks each eval set's local file against (as prompt_file_sha256)
+        self.eval_set_sha256: dict[str, str] = {name: definition["path_sha256"]
+                                                for name, definition in measured["sets"].items()
+                                                if isinstance(definition, dict) and definition.get("path_sha256")}
 
     def stage_key(self, stage: str) -> str:
         """The key of the folder `stage` writes: the one a lock on that stage guards (pipeline/locks.py)."""

@@ -132,7 +132,11 @@ def validate(cfg: DictConfig) -> None:
         _require(gen[key] is None or gen[key] > 0, f"generation.{key}: must be > 0 (or null)")
     _require(gen.max_store_gb > 0, "generation.max_store_gb: must be > 0")
     _require(gen.num_actors >= 1, "generation.num_actors: must be >= 1")
-    _require(cfg.generation.max_new_tokens > 0, "generation.max_new_tokens: must be > 0")
+    from pipeline.generation.regenerate import MIN_RESPONSE_ROOM
+
+    # fewer would skip every sample as leaving no room for an answer, and name generation.max_length for it
+    _require(gen.responses == "keep" or gen.max_new_tokens >= MIN_RESPONSE_ROOM,
+             f"generation.max_new_tokens: must be >= {MIN_RESPONSE_ROOM} (the least room a regenerated answer gets)")
     _require(cfg.generation.max_length > 8, "generation.max_length: must be > 8")
     _validate_drafter(cfg.drafter, DRAFTERS)
     _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")

@@ -89,6 +89,24 @@ def prompt_file(data_cfg: Any, field: str = "data.path") -> Path:
     return path
 
 
+def check_file_unchanged(path: Any, expected_sha256: str | None, field: str, when: str) -> None:
+    """A local prompt file still holds the bytes its content key was made of at the job's start (expected_sha256;
+    None: not a keyed file): one edited since would be saved, and later reused, under the old file's key. Hashed
+    afresh. Raises PipelineError naming `field`."""
+    from pipeline.integrity import sha256_file
+
+    if expected_sha256 is None:
+        return
+    file = Path(str(path)).expanduser()
+    try:
+        changed = sha256_file(file) != expected_sha256
+    except OSError as error:
+        raise PipelineError(f"{field}: prompt file '{file}' cannot be read ({error.strerror or error})") from None
+    if changed:
+        raise PipelineError(f"{field}: prompt file '{file}' changed {when} (its content is not what this job's "
+                            "key was made of); nothing was saved, run the job again")
+
+
 def _numbered(rows: Iterable[dict], label: str) -> Iterable[tuple[str, dict]]:
     return ((f"{label} row {index}", row) for index, row in enumerate(rows))
 

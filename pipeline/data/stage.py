@@ -8,7 +8,7 @@ from pathlib import Path
 import datasets
 
 from pipeline.context import Context, load_saved_dataset, save_dataset_atomic
-from pipeline.data.prompts import WRITTEN_BY_THE_VERIFIER, load_prompts, split_prompts
+from pipeline.data.prompts import WRITTEN_BY_THE_VERIFIER, check_file_unchanged, load_prompts, split_prompts
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,12 @@ def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
     folder = ctx.paths.prompts
     if not prompts_saved(folder):
         writer = ctx.prompt_writer() if ctx.cfg.data.source in WRITTEN_BY_THE_VERIFIER else None
-        train, held_out = split_prompts(load_prompts(ctx.cfg.data, writer), ctx.cfg.data)
+        expected = ctx.paths.prompt_file_sha256
+        check_file_unchanged(ctx.cfg.data.path, expected, "data.path", "after this job started")
+        prompts = load_prompts(ctx.cfg.data, writer)
+        # the bytes read were the key's, unless the file changed meanwhile
+        check_file_unchanged(ctx.cfg.data.path, expected, "data.path", "while this job read it")
+        train, held_out = split_prompts(prompts, ctx.cfg.data)
         save_dataset_atomic(train, folder / "train")
         save_dataset_atomic(held_out, folder / "held_out")
     train = load_saved_dataset(folder / "train", "prompts")

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from pipeline.data.chat import prompt_messages
-from pipeline.data.prompts import load_prompts, prompt_key
+from pipeline.data.prompts import check_file_unchanged, load_prompts, prompt_key
 from pipeline.errors import PipelineError, first_line
 
 log = logging.getLogger(__name__)
@@ -25,16 +25,19 @@ def trained_prompts(train) -> set[str]:
 
 
 def eval_sets(eval_cfg: Any, held_out, trained: set[str], writer=None,
-              fit: Optional[Callable[[str, list], list]] = None) -> dict[str, list[list[dict]]]:
+              fit: Optional[Callable[[str, list], list]] = None,
+              file_sha256: Optional[dict[str, str]] = None) -> dict[str, list[list[dict]]]:
     """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them. `trained`:
-    the training split's prompt keys (trained_prompts).
+    the training split's prompt keys (trained_prompts). file_sha256: {set name: the digest its local file had when
+    the evaluation key was made} (StagePaths.eval_set_sha256); a file that no longer has it is refused.
 
     writer: the verifier's PromptWriter, for sets of the verifier's own prompts (code, math, chat). fit(name,
     conversations): the ones that fit the context they are decoded in (None: all), applied before a named set is
     cut to evaluation.prompts_per_set, so that long prompts leave room for others."""
     sets: dict[str, list[list[dict]]] = {}
     for name in eval_cfg.datasets:
-        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, trained, writer)
+        rows = list(held_out) if name == HELD_OUT else _named_set(name, eval_cfg, trained, writer,
+                                                                  (file_sha256 or {}).get(name))
         conversations = [prompt_messages(row["messages"]) for row in rows]
         if fit is not None:
             conversations = fit(name, conversations)
@@ -62,8 +65,11 @@ def set_config(name: str, eval_cfg: Any) -> Any:
                             f"({{source: ..., path: ...}}), got {eval_cfg.sets[name]!r}") from error
 
 
-def _named_set(name: str, eval_cfg: Any, trained: set[str], writer) -> list[dict]:
+def _named_set(name: str, eval_cfg: Any, trained: set[str], writer, expected_sha256: Optional[str]) -> list[dict]:
+    field = f"evaluation.sets.{name}.path"
+    check_file_unchanged(eval_cfg.sets[name].get("path"), expected_sha256, field, "after this job started")
     prompts = read_named_set(name, eval_cfg, writer)
+    check_file_unchanged(eval_cfg.sets[name].get("path"), expected_sha256, field, "while this job read it")
     unseen = [row for row in prompts if prompt_key(row["messages"]) not in trained]
     if len(unseen) < len(prompts):
         log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))

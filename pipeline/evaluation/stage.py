@@ -219,7 +219,8 @@ def run(ctx: Context, checkpoint: Path, held_out, trained: set[str]) -> dict:
     drafter.to(verifier.device)
     limit = prompt_token_limit(verifier.config, eval_cfg)
     sets = eval_sets(eval_cfg, held_out, trained, ctx.prompt_writer(),
-                     fit=lambda name, conversations: fitting_prompts(name, conversations, tokenizer, limit))
+                     fit=lambda name, conversations: fitting_prompts(name, conversations, tokenizer, limit),
+                     file_sha256=ctx.paths.eval_set_sha256)
     per_set, all_counts = {}, []
     for name, conversations in sets.items():
         log.info("evaluate: %s, %d prompts, K=%d, batch %d", name, len(conversations),

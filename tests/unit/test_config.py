@@ -78,6 +78,7 @@ def test_wrong_type_is_refused_naming_the_field():
 
 @pytest.mark.parametrize("override,field", [
     ("drafter.name=medusa", "drafter.name"),
+    ("generation.max_new_tokens=4", "generation.max_new_tokens"),  # every sample was skipped, blaming max_length
     ("deepspeed.zero_stage=5", "deepspeed.zero_stage"),
     ("evaluation.num_speculative_tokens=9", "evaluation.num_speculative_tokens"),
     ("stages=[prompts,bake]", "stages"),
@@ -393,6 +394,38 @@ def test_an_edited_prompt_file_keys_new_prompts_and_an_untouched_one_keeps_them(
     elsewhere.write_bytes(prompts.read_bytes())
     moved = compose(["data=jsonl", f"data.path={elsewhere}"])
     assert StagePaths(moved).prompts_key == edited.prompts_key
+
+
+@pytest.mark.parametrize("edit_during", ["start", "read"])
+def test_a_prompt_file_edited_after_its_key_was_made_is_not_saved_under_that_key(tmp_path, monkeypatch, edit_during):
+    """The key hashed the file at the job's start and the stage read it seconds later: an edit in between was saved
+    (and later reused) as the old file's prompts."""
+    import json
+
+    from pipeline.context import Context
+    from pipeline.data import prompts as prompt_source
+    from pipeline.data import stage as prompts_stage
+    from pipeline.paths import StagePaths
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
+    cfg = compose([f"paths.root={tmp_path / 'root'}", "data=jsonl", f"data.path={prompts}", "data.num_train=4",
+                   "data.num_eval=2"])
+    ctx = Context(cfg=cfg, paths=StagePaths(cfg), tracker=None)
+    edited = "".join(json.dumps({"prompt": f"EDITED {i}"}) + "\n" for i in range(8))
+    if edit_during == "start":
+        prompts.write_text(edited)
+    else:
+        real_load = prompt_source.load_prompts
+
+        def load_then_edit(*args, **kwargs):
+            loaded = real_load(*args, **kwargs)
+            prompts.write_text(edited)
+            return loaded
+        monkeypatch.setattr(prompts_stage, "load_prompts", load_then_edit)
+    with pytest.raises(PipelineError, match=r"data\.path: prompt file '.*prompts\.jsonl' changed .*run the job again"):
+        prompts_stage.run(ctx)
+    assert not ctx.paths.prompts.exists()
 
 
 def test_one_local_folder_spelled_differently_keys_one_run(tmp_path, monkeypatch):

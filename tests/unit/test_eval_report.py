@@ -111,6 +111,24 @@ def test_a_trained_prompt_is_left_out_whatever_its_answer_or_system_prompt(tmp_p
     assert [m[0]["content"] for m in eval_sets(cfg, [], trained_prompts(train))["mine"]] == ["question 3"]
 
 
+def test_an_eval_set_file_edited_after_the_evaluation_key_was_made_is_refused(tmp_path):
+    """The evaluation key hashed the set's file at the job's start, and the evaluate stage reads it after training:
+    an edit in between was measured and saved (and later reused) as the old file's report."""
+    from pipeline.config import compose
+    from pipeline.paths import StagePaths
+
+    questions = write_jsonl(tmp_path / "mine.jsonl", [{"prompt": f"question {i}"} for i in range(4)])
+    paths = StagePaths(compose(["evaluation.datasets=[held_out,mine]",
+                                f"+evaluation.sets.mine={{source: jsonl, path: '{questions}'}}"]))
+    cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
+        "name": "t", "datasets": ["mine"], "prompts_per_set": 4,
+        "sets": {"mine": {"source": "jsonl", "path": str(questions)}}})
+    assert len(eval_sets(cfg, [], set(), file_sha256=paths.eval_set_sha256)["mine"]) == 4  # unchanged: read
+    write_jsonl(questions, [{"prompt": "another question"}])
+    with pytest.raises(PipelineError, match=r"^evaluation\.sets\.mine\.path: prompt file .* changed after this job"):
+        eval_sets(cfg, [], set(), file_sha256=paths.eval_set_sha256)
+
+
 def test_an_unreadable_eval_set_names_itself(tmp_path):
     cfg = OmegaConf.merge(OmegaConf.structured(EvaluationConfig), {
         "name": "t", "datasets": ["gone"], "sets": {"gone": {"source": "jsonl", "path": str(tmp_path / "no.jsonl")}}})
