@@ -49,8 +49,10 @@ def prompt_key(messages: list[dict[str, str]]) -> str:
     """What a conversation asks: a hash of its user turns alone. Two conversations with the same user turns but
     other answers or another system turn are two training samples, but one prompt to measure: the training split
     holds no prompt of the held-out split (split_prompts), and a named eval set hands back none of the training
-    split's (eval_sets.trained_prompts)."""
-    canonical = json.dumps([m["content"] for m in messages if m["role"] == "user"], ensure_ascii=False)
+    split's (eval_sets.trained_prompts). Compared with runs of whitespace collapsed and case folded: a trailing
+    space or a capital letter is the same question (such near-copies leaked held-out prompts into training)."""
+    canonical = json.dumps([" ".join(m["content"].split()).casefold() for m in messages if m["role"] == "user"],
+                           ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 

@@ -173,3 +173,25 @@ def test_vllm_counters_read_with_the_metric_spec():
     assert result["requests_matching_reference"] == 1 and result["lossless"] is True
     with pytest.raises(PipelineError, match="no draft steps"):
         served_figures({**counters, "num_drafts": 0})
+
+
+def test_a_near_copy_of_a_held_out_prompt_is_not_trained_on():
+    """Train and held-out prompts were kept apart by the exact text: 'Explain topic 3. ' and 'explain topic 3.'
+    trained while 'Explain topic 3.' was measured."""
+    import datasets
+
+    from pipeline.data.prompts import conversation_id, prompt_key, split_prompts
+
+    asked = [f"Explain topic {i}." for i in range(6)]
+    variants = [variant for question in asked for variant in (question, question + " ", question.lower(),
+                                                                question.replace(" ", "  "))]
+    rows = [{"sample_id": conversation_id([{"role": "user", "content": q}]),
+             "messages": [{"role": "user", "content": q}]} for q in variants]
+    data_cfg = OmegaConf.create({"num_train": 8, "num_eval": 2, "shuffle_seed": 0})
+    train, held_out = split_prompts(datasets.Dataset.from_list(rows), data_cfg)
+
+    def question(messages) -> str:  # what is asked, as a reader would tell copies apart
+        return " ".join(messages[0]["content"].split()).lower()
+    assert {question(m) for m in train["messages"]}.isdisjoint(question(m) for m in held_out["messages"])
+    assert prompt_key([{"role": "user", "content": "Explain  topic 3. "}]) == prompt_key(
+        [{"role": "user", "content": "explain topic 3."}])
