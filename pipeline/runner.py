@@ -97,11 +97,12 @@ def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> 
     splits = {"prompts", "regenerate", "evaluate"} & set(stages) and not prompts_saved(paths.prompts)
     if cfg.data.source in LOCAL_FILE_SOURCES:  # every stage's key holds the file's digest (paths.py)
         prompt_file(cfg.data)
-        # its contents too, while a stage of this job will split it (the stage reads it again, then logs what it
-        # left out): an empty, malformed or too small file is refused before MLflow's store, a lock or a log
-        if splits:
-            with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
-                split_prompts(load_prompts(cfg.data), cfg.data)
+    # A source read here in a moment (a local file, the packaged HumanEval), while a stage of this job will split
+    # it (the stage reads it again, then logs what it left out): an empty, malformed or too small one, or more
+    # prompts asked for than it holds, is refused before MLflow's store, a lock or a log
+    if splits and (cfg.data.source in LOCAL_FILE_SOURCES or cfg.data.source == "humaneval"):
+        with quieted(logging.getLogger("pipeline.data")):  # the stage reads it again, and logs
+            split_prompts(load_prompts(cfg.data), cfg.data)
     elif cfg.data.source == "hub" and splits:
         check_hub_dataset(str(cfg.data.path), "data.path")
     if "evaluate" in stages:

@@ -787,13 +787,17 @@ def test_a_finished_checkpoint_that_fails_its_check_is_never_deleted(tmp_path, t
     ("generate", ["data.path={broken}"], r"data\.path: line 2 of '.*broken\.jsonl' .*"),
     ("pipeline", ["stages=[prompts]", "data.path={one}"], r"data\.num_train \+ data\.num_eval = \d+ but the source "
                                                          r"has only 1 distinct usable conversations \(.*\)"),
+    # more prompts than the packaged HumanEval holds: refused in its prompts stage, after the store and locks
+    ("generate", ["data.source=humaneval", "data.num_train=100000"], r"data\.num_train \+ data\.num_eval = 100\d+ "
+                                                                    r"but the source has only 164 distinct usable .*"),
     ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{empty}'}}"],
      r"evaluation\.sets\.mine\.path: the prompt file '.*empty\.jsonl' is empty"),
     ("pipeline", ["evaluation.datasets=[held_out,mine]", "+evaluation.sets.mine={{source: jsonl, path: '{unusable}'}}"],
      # not "evaluation.sets.mine: data: no usable ..."
      r"evaluation\.sets\.mine: no usable conversation in 'jsonl' .*unusable\.jsonl.*"),
 ], ids=["prompt file", "prompt folder", "eval set file", "resume_from", "no checkpoint", "no store", "no answers",
-        "nothing to cross-check", "empty prompt file", "malformed line", "too few prompts", "empty eval set file",
+        "nothing to cross-check", "empty prompt file", "malformed line", "too few prompts", "too few humaneval",
+        "empty eval set file",
         "unusable eval set file"])
 def test_a_file_the_job_reads_is_checked_before_any_stage_or_store(job, extra, message, tmp_path, tiny_verifier_path,
                                                                    prompts_jsonl, capsys):
