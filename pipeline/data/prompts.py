@@ -180,6 +180,8 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
 def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter) -> list[dict[str, str]]:
     messages_field, prompt_field = (OFFLINE_ROW_FIELDS if data_cfg.source in OFFLINE_SOURCES
                                     else (data_cfg.messages_field, data_cfg.prompt_field))
+    if row.get(messages_field) is not None and row.get(prompt_field) is not None:  # said once, in load_prompts
+        dropped[f"'{prompt_field}' fields of rows that hold '{messages_field}' too (read instead)"] += 1
     messages = row_messages(row, messages_field, prompt_field, where, dropped)
     if data_cfg.system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
@@ -229,7 +231,10 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
     for problem, count in skipped.items():
         log.warning("data: skipped %d conversations: %s", count, problem)
     for why, count in dropped.items():
-        log.info("data: left out %d turns: %s", count, why)
+        if why.startswith("'"):  # a field the row held that was not read
+            log.warning("data: left out %d %s", count, why)
+        else:
+            log.info("data: left out %d turns: %s", count, why)
     if duplicates:
         log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
     if total == 0:

@@ -234,6 +234,21 @@ def test_text_parts_are_joined_and_tool_only_turns_are_left_out_and_counted(tmp_
     assert "left out 1 turns: tool result turn" in caplog.text
 
 
+def test_a_row_holding_both_messages_and_a_prompt_says_which_was_read(tmp_path, caplog):
+    """A file with both columns used `messages` and never said the prompt column went unread."""
+    import logging
+
+    from tests.conftest import write_jsonl
+
+    path = write_jsonl(tmp_path / "both.jsonl", [
+        {"messages": [{"role": "user", "content": "From messages."}], "prompt": "From prompt."},
+        {"prompt": "Only a prompt."}])
+    with caplog.at_level(logging.INFO, logger="pipeline.data.prompts"):
+        prompts = load_prompts(data_cfg(path=str(path)))
+    assert [m[0]["content"] for m in prompts["messages"]] == ["From messages.", "Only a prompt."]
+    assert "left out 1 'prompt' fields of rows that hold 'messages' too (read instead)" in caplog.text
+
+
 def test_an_empty_conversation_with_a_system_prompt_is_skipped_not_a_crash(tmp_path):
     from tests.conftest import write_jsonl
 
