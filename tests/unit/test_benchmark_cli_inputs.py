@@ -242,11 +242,15 @@ def test_machine_info_says_whether_auto_autocast_trains_in_bf16(monkeypatch):
     assert (resolve_autocast("auto", "cpu") is not None) == info["native_bf16"]
 
 
-@pytest.mark.parametrize("script, args", [
+# Each tool that writes --out, with the least arguments it needs to reach the --out check.
+OUT_WRITERS = [
     ("benchmarks/serving.py", ["--root", "{root}"]), ("benchmarks/gpu_check.py", ["--tokenizer", "{root}"]),
     ("benchmarks/drafters.py", ["harness"]), ("benchmarks/generation.py", []),
     ("benchmarks/training.py", ["step-time"]), ("benchmarks/versus_speculators.py", ["--root", "{root}"]),
-], ids=lambda value: value if isinstance(value, str) else None)
+]
+
+
+@pytest.mark.parametrize("script, args", OUT_WRITERS, ids=lambda value: value if isinstance(value, str) else None)
 def test_an_out_file_under_a_file_is_one_line_before_the_run(tmp_path, script, args):
     """serving.py and gpu_check.py wrote --out only after their whole run (a traceback then); the others checked
     for a folder only."""
@@ -257,11 +261,7 @@ def test_an_out_file_under_a_file_is_one_line_before_the_run(tmp_path, script, a
     _one_line(result, f"--out {out}: a folder above it is a file")
 
 
-@pytest.mark.parametrize("script, args", [
-    ("benchmarks/serving.py", ["--root", "{root}"]), ("benchmarks/gpu_check.py", ["--tokenizer", "{root}"]),
-    ("benchmarks/drafters.py", ["harness"]), ("benchmarks/generation.py", []),
-    ("benchmarks/training.py", ["step-time"]), ("benchmarks/versus_speculators.py", ["--root", "{root}"]),
-], ids=lambda value: value if isinstance(value, str) else None)
+@pytest.mark.parametrize("script, args", OUT_WRITERS, ids=lambda value: value if isinstance(value, str) else None)
 def test_an_out_file_where_no_file_can_be_made_is_one_line_before_the_run(tmp_path, script, args):
     """A folder that takes no new file (sysfs refuses even root) failed only at the final write, with a
     traceback after the whole run."""
