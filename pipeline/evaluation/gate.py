@@ -112,6 +112,7 @@ def held_alias_before(tags: dict[str, str]) -> bool:
     """Whether a version's tags say the alias was on it once (HELD_ALIAS_TAG, or promoted by an older release)."""
     return HELD_ALIAS_TAG in tags or (tags.get("gate.decision") == "promoted" and ALIAS_PENDING_TAG not in tags)
 
+
 # How long before a promoter read the champion another promoter's promotion still counts as concurrent with it
 # (tag, alias and settle take well under a second; the rest is clock skew between the nodes that promote, which
 # must stay below it). A version promoted earlier that does not hold the alias lost it (superseded, or removed by
