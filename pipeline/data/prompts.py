@@ -91,9 +91,10 @@ def prompt_file(data_cfg: Any, field: str = "data.path") -> Path:
     return path
 
 
-def check_file_unchanged(path: Any, expected_sha256: str | None, field: str, when: str) -> None:
-    """A local prompt file still holds the bytes its content key was made of at the job's start (expected_sha256;
-    None: not a keyed file): one edited since would be saved, and later reused, under the old file's key. Hashed
+def check_file_unchanged(path: Any, expected_sha256: str | None, field: str) -> None:
+    """Called once a stage has read a local prompt file: it still holds the bytes its content key was made of at
+    the job's start (expected_sha256; None: not a keyed file), so what was read was those bytes (short of an edit
+    undone within the read). One edited since would be saved, and later reused, under the old file's key. Hashed
     afresh. Raises PipelineError naming `field`."""
     from pipeline.integrity import sha256_file
 
@@ -105,8 +106,8 @@ def check_file_unchanged(path: Any, expected_sha256: str | None, field: str, whe
     except OSError as error:
         raise PipelineError(f"{field}: prompt file '{file}' cannot be read ({error.strerror or error})") from None
     if changed:
-        raise PipelineError(f"{field}: prompt file '{file}' changed {when} (its content is not what this job's "
-                            "key was made of); nothing was saved, run the job again")
+        raise PipelineError(f"{field}: prompt file '{file}' changed after this job started (its content is not what "
+                            "this job's key was made of); nothing was saved, run the job again")
 
 
 def _numbered(rows: Iterable[dict], label: str) -> Iterable[tuple[str, dict]]:

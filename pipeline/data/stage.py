@@ -22,11 +22,8 @@ def run(ctx: Context) -> tuple[datasets.Dataset, datasets.Dataset]:
     folder = ctx.paths.prompts
     if not prompts_saved(folder):
         writer = ctx.prompt_writer() if ctx.cfg.data.source in WRITTEN_BY_THE_VERIFIER else None
-        expected = ctx.paths.prompt_file_sha256
-        check_file_unchanged(ctx.cfg.data.path, expected, "data.path", "after this job started")
         prompts = load_prompts(ctx.cfg.data, writer)
-        # the bytes read were the key's, unless the file changed meanwhile
-        check_file_unchanged(ctx.cfg.data.path, expected, "data.path", "while this job read it")
+        check_file_unchanged(ctx.cfg.data.path, ctx.paths.prompt_file_sha256, "data.path")
         train, held_out = split_prompts(prompts, ctx.cfg.data)
         save_dataset_atomic(train, folder / "train")
         save_dataset_atomic(held_out, folder / "held_out")

@@ -66,10 +66,8 @@ def set_config(name: str, eval_cfg: Any) -> Any:
 
 
 def _named_set(name: str, eval_cfg: Any, trained: set[str], writer, expected_sha256: Optional[str]) -> list[dict]:
-    field = f"evaluation.sets.{name}.path"
-    check_file_unchanged(eval_cfg.sets[name].get("path"), expected_sha256, field, "after this job started")
     prompts = read_named_set(name, eval_cfg, writer)
-    check_file_unchanged(eval_cfg.sets[name].get("path"), expected_sha256, field, "while this job read it")
+    check_file_unchanged(eval_cfg.sets[name].get("path"), expected_sha256, f"evaluation.sets.{name}.path")
     unseen = [row for row in prompts if prompt_key(row["messages"]) not in trained]
     if len(unseen) < len(prompts):
         log.info("evaluate: %s: left out %d prompts the drafter trained on", name, len(prompts) - len(unseen))
