@@ -178,11 +178,14 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
     raise PipelineError(f"data.source: unknown source '{source}'")
 
 
-def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter) -> list[dict[str, str]]:
+def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter,
+                 unread: Counter) -> list[dict[str, str]]:
+    """The row's conversation; `dropped` counts the turns left out, `unread` the fields the row held but that
+    were not read (a prompt beside messages: the first of row_messages' fields wins)."""
     messages_field, prompt_field = (OFFLINE_ROW_FIELDS if data_cfg.source in OFFLINE_SOURCES
                                     else (data_cfg.messages_field, data_cfg.prompt_field))
-    if row.get(messages_field) is not None and row.get(prompt_field) is not None:  # said once, in load_prompts
-        dropped[f"'{prompt_field}' fields of rows that hold '{messages_field}' too (read instead)"] += 1
+    if row.get(messages_field) is not None and row.get(prompt_field) is not None:
+        unread[f"'{prompt_field}' fields of rows that hold '{messages_field}' too (read instead)"] += 1
     messages = row_messages(row, messages_field, prompt_field, where, dropped)
     if data_cfg.system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
@@ -211,11 +214,12 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
     seen: set[str] = set()
     skipped: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
+    unread: Counter[str] = Counter()
     duplicates = total = 0
     for where, row in _load_raw(data_cfg, writer):
         total += 1
         try:
-            messages = _to_messages(row, data_cfg, where, dropped)
+            messages = _to_messages(row, data_cfg, where, dropped, unread)
         except SkipRow as reason:
             skipped[str(reason)] += 1
             continue
@@ -232,10 +236,9 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
     for problem, count in skipped.items():
         log.warning("data: skipped %d conversations: %s", count, problem)
     for why, count in dropped.items():
-        if why.startswith("'"):  # a field the row held that was not read
-            log.warning("data: left out %d %s", count, why)
-        else:
-            log.info("data: left out %d turns: %s", count, why)
+        log.info("data: left out %d turns: %s", count, why)
+    for what, count in unread.items():
+        log.warning("data: left out %d %s", count, what)
     if duplicates:
         log.info("data: dropped %d duplicate conversations (same content hash)", duplicates)
     if total == 0:
