@@ -17,6 +17,7 @@ from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_co
 from pipeline.errors import PipelineError, first_line
 from pipeline.errors import require as _require
 from pipeline.families import TINY_FAMILIES
+from pipeline.generation.regenerate import MIN_RESPONSE_ROOM
 
 
 def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
@@ -132,8 +133,6 @@ def validate(cfg: DictConfig) -> None:
         _require(gen[key] is None or gen[key] > 0, f"generation.{key}: must be > 0 (or null)")
     _require(gen.max_store_gb > 0, "generation.max_store_gb: must be > 0")
     _require(gen.num_actors >= 1, "generation.num_actors: must be >= 1")
-    from pipeline.generation.regenerate import MIN_RESPONSE_ROOM
-
     # fewer would skip every sample as leaving no room for an answer, and name generation.max_length for it
     _require(gen.responses == "keep" or gen.max_new_tokens >= MIN_RESPONSE_ROOM,
              f"generation.max_new_tokens: must be >= {MIN_RESPONSE_ROOM} (the least room a regenerated answer gets)")
