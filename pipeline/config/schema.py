@@ -254,7 +254,6 @@ class DrafterConfig:
     num_speculative_tokens: int = 4
     # Sequence-length sparsification: at most this many loss-carrying anchors per sequence per step (null = all).
     max_anchors: Optional[int] = 64
-    norm_before_residual: bool = True
     # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
     draft_vocab_size: Optional[int] = None
 

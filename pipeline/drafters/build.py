@@ -127,7 +127,8 @@ def make_spec(
         num_speculative_tokens=int(drafter_cfg.num_speculative_tokens),
         mask_token_id=int(mask_token_id),
         num_layers=int(drafter_cfg.num_layers),
-        norm_before_residual=bool(drafter_cfg.norm_before_residual),
+        # an EAGLE-family option; the block drafters' layers never read it
+        norm_before_residual=bool(drafter_cfg.get("norm_before_residual", True)),
         extra={key: drafter_cfg[key] for key in cls.extra_keys},
         verifier_architecture=architecture,
         verifier_logit_softcap=logit_softcap(verifier_config),

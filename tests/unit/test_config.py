@@ -144,6 +144,8 @@ def test_an_api_key_env_that_is_no_variable_name_is_refused_without_repeating_it
     ("dflash", "embed_requires_grad=true"),  # DFlash's export takes the verifier's embedding
     ("dflash", "markov_rank=8"),
     ("dspark", "norm_before_fc=true"),
+    ("dflash", "norm_before_residual=false"),  # the EAGLE layers' residual; a block drafter's layers never read it
+    ("dflash2", "norm_before_residual=false"),
 ])
 def test_an_option_of_another_drafter_is_refused_by_name(drafter, option):
     """Each drafter composes its own schema (pipeline/drafters/<name>/config.py): another drafter's option is

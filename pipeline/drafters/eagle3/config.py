@@ -12,6 +12,9 @@ from pipeline.config.schema import DistillTarget, DrafterConfig
 class EagleFamilyConfig(DrafterConfig):
     """What EAGLE-3 and P-EAGLE both read."""
 
+    # The decoder layer's residual is the normed fused features (speculators', vLLM's and our default); false keeps
+    # the un-normed ones, as the original EAGLE-3 code does. The block drafters have no such choice.
+    norm_before_residual: bool = True
     # One RMSNorm over the concatenated aux hidden states before `fc` (speculators' and vLLM's `norm_before_fc`,
     # weight `input_norm`): the verifier's layers differ in scale by orders of magnitude.
     norm_before_fc: bool = False
