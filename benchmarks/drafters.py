@@ -39,7 +39,7 @@ def harness(args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     subprocess.run(command, cwd=REPO, env=env, check=True)
     # DSpark once more without truncation: what its confidence cut costs in tau and saves in drafts sent.
-    subprocess.run([sys.executable, "jobs/evaluate.py", "drafter=dspark", "evaluation.confidence_threshold=0.0",
+    subprocess.run([sys.executable, "jobs/evaluate.py", "drafter=dspark", "drafter.confidence_threshold=0.0",
                     *overrides], cwd=REPO, env=env, check=True)
     results = {"command": " ".join(command[1:]), "seconds": round(time.time() - started, 1), "K": K,
                "training_steps": args.steps, "drafters": {}}

@@ -23,9 +23,6 @@ from pipeline.config.schema import (
 )
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
 
-if typing.TYPE_CHECKING:
-    from pipeline.drafters.base import DrafterBase
-
 
 def _plain(value: Any) -> Any:
     if isinstance(value, DictConfig) or OmegaConf.is_config(value):
@@ -152,26 +149,33 @@ def chat_additions(verifier_cfg: Any) -> dict:
     return {key: value for key, value in additions.items() if value}
 
 
-def _drafter_class(name: str) -> type[DrafterBase]:
-    from pipeline.drafters import drafter_class  # the registry imports torch: only when keys are built
-
-    return drafter_class(name)
-
-
 def _selects_by_val_tau(cfg: DictConfig) -> bool:
     # validate() refuses val.tau selection without val_tau_samples; the second test keeps keys right without it.
     return cfg.training.select_best_by == "val.tau" and cfg.training.val_tau_samples > 0
 
 
-def _val_tau_decoding(cfg: DictConfig, drafter_class: type[DrafterBase]) -> list[dict]:
+def _val_tau_decoding(cfg: DictConfig) -> list[dict]:
     """How val.tau decodes when it picks the final checkpoint (training.select_best_by=val.tau): the evaluation's K,
     batch and the drafter's decoding options change val.tau and so the checkpoint picked. [] otherwise: val.tau is
     then only logged, and the training's key is as without it."""
     if not _selects_by_val_tau(cfg):
         return []
     return [{"val_tau_decoding": {"num_speculative_tokens": cfg.evaluation.num_speculative_tokens,
-                                  "batch_size": cfg.evaluation.batch_size,
-                                  **drafter_class.evaluated_extra(cfg.evaluation)}}]
+                                  "batch_size": cfg.evaluation.batch_size, **decoding_options(cfg.drafter)}}]
+
+
+def decoding_options(drafter_cfg: Any) -> dict[str, Any]:
+    """{name: value} of the drafter's options that decode and never train (schema.decoding_setting: DSpark's
+    confidence_threshold); {} for a drafter without any. drafter_cfg: the composed `drafter` group."""
+    schema = _drafter_schema(drafter_cfg)
+    return {spec.name: _plain(drafter_cfg[spec.name]) for spec in dataclasses.fields(schema)
+            if spec.metadata.get("decoding")}
+
+
+def _drafter_schema(drafter_cfg: Any) -> type:
+    """The drafter's own schema class (pipeline/drafters/<name>/config.py), DrafterConfig for an untyped group."""
+    schema = OmegaConf.get_type(drafter_cfg)
+    return schema if isinstance(schema, type) and issubclass(schema, DrafterConfig) else DrafterConfig
 
 
 def _auto_precision(cfg: DictConfig) -> str:
@@ -243,20 +247,15 @@ class StagePaths:
         self.store_key = content_key(self.regenerated_key, "store-v3", aux_layer_ids, compression)
         # Logging, retries and labels stay out (schema.NOT_A_RESULT): changing them resumes the same run.
         # The drafter's options are its own schema's (pipeline/drafters/<name>/config.py).
-        drafter_schema = OmegaConf.get_type(cfg.drafter)
-        if not (isinstance(drafter_schema, type) and issubclass(drafter_schema, DrafterConfig)):
-            drafter_schema = DrafterConfig
-        drafter_class = _drafter_class(cfg.drafter.name)
-        drafter = {**result_settings(cfg.drafter, drafter_schema), "aux_layer_ids": aux_layer_ids}
-        self.train_key = content_key(self.store_key, drafter, _training_settings(cfg),
-                                     _deepspeed_settings(cfg),
-                                     *_val_tau_decoding(cfg, drafter_class))
-        # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report. The
-        # gate's thresholds decide on a report without changing it, so they stay out of the key.
-        measured = {k: v for k, v in result_settings(cfg.evaluation, EvaluationConfig).items() if k != "gate"}
-        # A decoding option counts only for a drafter that decodes with it (DSpark's confidence threshold).
-        measured.pop("confidence_threshold", None)
-        decoding = drafter_class.evaluated_extra(cfg.evaluation)
+        # Its decoding options (schema.DECODING) key the evaluation, and the training only through val.tau.
+        decoding = decoding_options(cfg.drafter)
+        drafter = {name: value for name, value in result_settings(cfg.drafter, _drafter_schema(cfg.drafter)).items()
+                   if name not in decoding}
+        drafter["aux_layer_ids"] = aux_layer_ids
+        self.train_key = content_key(self.store_key, drafter, _training_settings(cfg), _deepspeed_settings(cfg),
+                                     *_val_tau_decoding(cfg))
+        # One report per (checkpoint, evaluation settings): another K or threshold never overwrites a report.
+        measured = result_settings(cfg.evaluation, EvaluationConfig)
         if decoding:
             measured["decoding"] = decoding
         # Only the eval sets it decodes: another preset added to evaluation.sets changes no report.

@@ -12,7 +12,7 @@ composed YAML (``conf/<group>/<option>.yaml``, e.g. ``conf/training/cpu.yaml``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any, Optional, Self
 
@@ -24,6 +24,9 @@ from pipeline.data.synthesize import DEFAULT_SYSTEM_PROMPTS
 # label): the train and evaluation content keys leave it out (pipeline/paths.py: result_settings), so changing it
 # resumes or reuses the same run instead of training again. Every other setting counts as changing results.
 NOT_A_RESULT = {"changes_results": False}
+# Schema metadata of a drafter option that decodes and never trains (DSpark's confidence threshold): it keys the
+# evaluation, and the training only where val.tau picks the final checkpoint (pipeline/paths.py).
+DECODING = {"decoding": True}
 # The chain's stages in order: the one list (pipeline/stages.py maps each to its function).
 STAGE_NAMES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
 
@@ -123,6 +126,11 @@ SelectionMetric = StrEnum("SelectionMetric", {"val.proxy_tau": "val.proxy_tau", 
 def run_setting(default: Any = MISSING) -> Any:
     """A dataclass field whose value changes how a run goes, never what it produces (see NOT_A_RESULT)."""
     return field(default=default, metadata=NOT_A_RESULT)
+
+
+def decoding_setting(default: Any) -> Any:
+    """A drafter's dataclass field read when it decodes, never when it trains (see DECODING)."""
+    return field(default=default, metadata=DECODING)
 
 
 @dataclass
@@ -256,6 +264,11 @@ class DrafterConfig:
     max_anchors: Optional[int] = 64
     # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
     draft_vocab_size: Optional[int] = None
+
+    def decoding_options(self) -> dict[str, Any]:
+        """{name: value} of the options this drafter decodes with and never trains with (fields made by
+        decoding_setting, e.g. DSpark's confidence_threshold); {} for a drafter without any."""
+        return {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.metadata.get("decoding")}
 
     def deterministic(self) -> Self:
         """These options with nothing drawn at random in training_loss (every anchor at every depth): what the
@@ -429,10 +442,6 @@ class EvaluationConfig:
     seed: int = 0
     # At temperature 0: compare the decoder's output tokens with verifier.generate and fail when they differ.
     check_greedy_equivalence: bool = True
-    # DSpark: send drafts while the product of their confidences stays >= this (0 = send all K). A decoding
-    # choice, so it lives here; it changes which checkpoint is picked only through val.tau
-    # (training.select_best_by=val.tau decodes with it), never how training runs.
-    confidence_threshold: float = 0.3
     # Prompts the reference decoder runs together (one batched verifier forward per step).
     batch_size: int = 8
     # Eval sets by name: "held_out" is the prompt set's own held-out split; other names come from `sets`.
@@ -446,7 +455,8 @@ class EvaluationConfig:
     # New tokens per profile decode (null = max_new_tokens): the profile measures cost per step, which needs fewer.
     profile_max_new_tokens: Optional[int] = None
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
-    gate: GateConfig = field(default_factory=GateConfig)
+    # The gate decides on a report without changing it: out of the evaluation's key.
+    gate: GateConfig = field(default_factory=GateConfig, metadata=NOT_A_RESULT)
 
 
 @dataclass

@@ -138,7 +138,6 @@ def validate(cfg: DictConfig) -> None:
              f"generation.max_new_tokens: must be >= {MIN_RESPONSE_ROOM} (the least room a regenerated answer gets)")
     _require(cfg.generation.max_length > 8, "generation.max_length: must be > 8")
     _validate_drafter(cfg.drafter, DRAFTERS)
-    _require(0.0 <= cfg.evaluation.confidence_threshold <= 1.0, "evaluation.confidence_threshold: must be in [0, 1]")
     _require(cfg.evaluation.temperature >= 0, "evaluation.temperature: must be >= 0 (0 = greedy)")
     _validate_evaluation(cfg.evaluation)
     _validate_no_credentials(resolved)

@@ -67,11 +67,6 @@ class DrafterBase(nn.Module):
         layout the drafter does not support."""
         return {}
 
-    @classmethod
-    def evaluated_extra(cls, evaluation_cfg: Any) -> dict[str, Any]:
-        """Decoding options the evaluation used that the export records (DSpark's confidence threshold)."""
-        return {}
-
     def decoding_options(self) -> dict[str, Any]:
         """The settings it decodes with beside its weights, as an evaluation report records them (DSpark's
         confidence threshold); {} for a drafter that has none."""
@@ -84,9 +79,12 @@ class DrafterBase(nn.Module):
         if num_speculative_tokens < 1:
             raise ValueError(f"draft: num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
 
-    def set_decoding_options(self, confidence_threshold: float | None = None) -> None:
-        """Decode with the settings a measurement chose (None keeps the current one); a drafter without such a
-        setting ignores it."""
+    def set_decoding_options(self, **options: Any) -> None:
+        """Decode with the options a measurement chose: the drafter schema's decoding fields
+        (DrafterConfig.decoding_options; DSpark's confidence_threshold). A drafter without any takes none: a name it
+        does not decode with raises TypeError."""
+        if options:
+            raise TypeError(f"{self.algorithm}: no decoding option {', '.join(sorted(options))}")
 
     def check_exportable(self) -> None:
         """Raises PipelineError when this model cannot be written as a checkpoint vLLM loads."""

@@ -25,6 +25,7 @@ from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import folder_digest
 from pipeline.logs import progress_bar
 from pipeline.metrics import AcceptanceCounts, expected_tau, merged, per_request_tau
+from pipeline.paths import decoding_options
 from pipeline.verifier import load_verifier, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def fitting_prompts(set_name: str, conversations: list, tokenizer, limit: int) -
 
 
 def _load_drafter(ctx: Context, checkpoint: Path):
-    return decoding_drafter(checkpoint, ctx.cfg.evaluation.confidence_threshold)  # exactly what vLLM will load
+    return decoding_drafter(checkpoint, decoding_options(ctx.cfg.drafter))  # exactly what vLLM will load
 
 
 def _profile(verifier, tokenizer, drafter, conversations: list[list[dict]], eval_cfg) -> dict | None:

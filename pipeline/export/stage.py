@@ -15,6 +15,7 @@ from pipeline.export.model_card import CARD_FILE, model_card, without_gate_decis
 from pipeline.export.speculators_format import export_digest, export_speculators
 from pipeline.fsutil import atomic_write_text
 from pipeline.integrity import seal
+from pipeline.paths import decoding_options
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def run(ctx: Context, checkpoint: Path, report: dict | None, run_id: str | None,
     {path, speculators_model_type, sha256} plus {registered_model, version, reused} when registered; raises
     PipelineError for a checkpoint the format cannot hold and MlflowException when the registry refuses."""
     model, _ = load_checkpoint(checkpoint)
-    model.spec.extra.update(type(model).evaluated_extra(ctx.cfg.evaluation))  # e.g. DSpark's threshold
+    model.spec.extra.update(decoding_options(ctx.cfg.drafter))  # the export records them: DSpark's threshold
     folder = export_speculators(model, ctx.paths.export)
     config = json.loads((folder / "config.json").read_text())
     digest = export_digest(folder)

@@ -170,7 +170,7 @@ class ValTau:
             prompts = [prompt_of(sample) for sample in held_out[: settings.samples]]
             self.probe = AcceptanceProbe(settings.verifier_path, settings.compute_dtype, prompts,
                                          settings.num_speculative_tokens, settings.max_new_tokens,
-                                         settings.batch_size, settings.confidence_threshold)
+                                         settings.batch_size, settings.decoding)
 
     def measure(self, checkpoint: Path) -> dict[str, float]:
         if not self.enabled:

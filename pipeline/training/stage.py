@@ -25,7 +25,7 @@ from pipeline.errors import PipelineError, read_json, remote_cause
 from pipeline.families import load_verifier_config
 from pipeline.fsutil import copy_folder_atomic
 from pipeline.integrity import verify
-from pipeline.paths import StagePaths
+from pipeline.paths import StagePaths, decoding_options
 from pipeline.training.loop import train_loop_per_worker
 from pipeline.training.optim import planned_optimizer_split
 from pipeline.training.resume import (
@@ -205,7 +205,7 @@ def _val_tau_settings(ctx: Context) -> ValTauSettings | None:
     return ValTauSettings(samples=training.val_tau_samples, max_new_tokens=training.val_tau_max_new_tokens,
                           verifier_path=str(ctx.verifier_path), compute_dtype=ctx.cfg.verifier.compute_dtype,
                           num_speculative_tokens=evaluation.num_speculative_tokens,
-                          batch_size=evaluation.batch_size, confidence_threshold=evaluation.confidence_threshold)
+                          batch_size=evaluation.batch_size, decoding=decoding_options(ctx.cfg.drafter))
 
 
 def _final_checkpoint(result, select_by: str | None):

@@ -11,7 +11,7 @@ requests), greedy, at K = evaluation.num_speculative_tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -36,10 +36,10 @@ class AcceptanceProbe:
     batches them (greedy τ can differ by a near-tie between batchings)."""
 
     def __init__(self, verifier_path: str, compute_dtype: str, prompts: list[list[int]], num_speculative_tokens: int,
-                 max_new_tokens: int, batch_size: int, confidence_threshold: Optional[float] = None):
+                 max_new_tokens: int, batch_size: int, decoding: Optional[dict[str, Any]] = None):
         self.verifier_path, self.compute_dtype = verifier_path, compute_dtype
         self.prompts, self.num_speculative_tokens, self.max_new_tokens = prompts, num_speculative_tokens, max_new_tokens
-        self.batch_size, self.confidence_threshold = batch_size, confidence_threshold
+        self.batch_size, self.decoding = batch_size, dict(decoding or {})
         self._verifier, self._stop_token_ids = None, ()
 
     def _load(self):
@@ -57,7 +57,7 @@ class AcceptanceProbe:
 
         verifier = self._load()
         # this rank's own checkpoint, not yet sealed (no integrity record to verify against)
-        drafter = decoding_drafter(checkpoint, self.confidence_threshold, verified=False).to(verifier.device)
+        drafter = decoding_drafter(checkpoint, self.decoding, verified=False).to(verifier.device)
         decoder = SpeculativeDecoder(verifier, drafter, self.num_speculative_tokens)
         counts = []
         for start in range(0, len(self.prompts), self.batch_size):

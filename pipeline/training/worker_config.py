@@ -3,7 +3,7 @@ typo or a schema change turns into a KeyError (or a silent default) minutes into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pipeline.config.schema import DeepSpeedConfig, DrafterConfig, TrainingConfig
@@ -20,7 +20,8 @@ class ValTauSettings:
     compute_dtype: str
     num_speculative_tokens: int
     batch_size: int
-    confidence_threshold: Optional[float] = None
+    # the drafter's decoding options (pipeline.paths.decoding_options: DSpark's confidence_threshold)
+    decoding: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,8 @@ def test_an_api_key_env_that_is_no_variable_name_is_refused_without_repeating_it
     ("dspark", "norm_before_fc=true"),
     ("dflash", "norm_before_residual=false"),  # the EAGLE layers' residual; a block drafter's layers never read it
     ("dflash2", "norm_before_residual=false"),
+    ("eagle3", "confidence_threshold=0.9"),  # DSpark's decoding option: the other drafters never truncate
+    ("dflash", "confidence_threshold=0.9"),
 ])
 def test_an_option_of_another_drafter_is_refused_by_name(drafter, option):
     """Each drafter composes its own schema (pipeline/drafters/<name>/config.py): another drafter's option is
@@ -268,7 +270,8 @@ RUN_SETTINGS = ["training.log_every=3", "training.max_failures=5", "training.kee
                 "generation.capture_max_batch_tokens=1024", "generation.capture_batch_size=2",
                 "generation.max_store_gb=5", "generation.num_actors=2", "generation.cpus_per_actor=2",
                 "generation.torch_threads=1", "generation.use_gpu=true", "generation.tensor_parallel_size=2",
-                "generation.gpu_memory_utilization=0.9", "generation.kv_cache_gb=2"]
+                "generation.gpu_memory_utilization=0.9", "generation.kv_cache_gb=2",
+                "evaluation.gate.min_tau_gain=0.5", "evaluation.gate.alias=best"]
 
 
 @pytest.mark.parametrize("override", RUN_SETTINGS)
@@ -318,7 +321,10 @@ def test_the_run_settings_above_are_every_one_the_schema_marks():
               ("data.synthetic", SyntheticConfig), ("generation", GenerationConfig))
     marked = {f"{group}.{spec.name}" for group, schema in groups for spec in fields(schema)
               if spec.metadata == NOT_A_RESULT}
-    assert marked == {override.split("=")[0] for override in RUN_SETTINGS}
+    # a marked group (evaluation.gate) is listed by its fields
+    listed = {override.split("=")[0].removeprefix("evaluation.gate.") for override in RUN_SETTINGS}
+    listed = {"evaluation.gate" if "." not in key else key for key in listed}
+    assert marked == listed
 
 
 @pytest.mark.parametrize("override", ["training.lr=0.01", "training.log_every=3 training.max_steps=7",
@@ -490,15 +496,20 @@ def test_a_setting_that_changes_what_is_written_moves_the_store(override):
 
 
 def test_a_decoding_option_keys_only_the_evaluations_of_the_drafter_that_reads_it():
-    """DSpark decodes with evaluation.confidence_threshold: another value is another evaluation and another export
-    (its config.json records the threshold); P-EAGLE has no such option, so the value changes neither."""
-    from pipeline.paths import StagePaths
+    """DSpark decodes with drafter.confidence_threshold (schema.decoding_setting): another value is another
+    evaluation and another export (its config.json records the threshold), never another training; the drafters
+    without it refuse it by name (test_an_option_of_another_drafter_is_refused_by_name)."""
+    from pipeline.paths import StagePaths, decoding_options
 
-    for drafter, keyed in (("dspark", True), ("peagle", False)):
-        base = StagePaths(compose([f"drafter={drafter}"]))
-        changed = StagePaths(compose([f"drafter={drafter}", "evaluation.confidence_threshold=0.6"]))
-        assert changed.train == base.train
-        assert (changed.evaluation != base.evaluation) is keyed and (changed.export != base.export) is keyed
+    base = StagePaths(compose(["drafter=dspark"]))
+    changed = StagePaths(compose(["drafter=dspark", "drafter.confidence_threshold=0.6"]))
+    assert changed.train == base.train
+    assert changed.evaluation != base.evaluation and changed.export != base.export
+    assert decoding_options(compose(["drafter=dspark"]).drafter) == {"confidence_threshold": 0.3}
+    for drafter in ("eagle3", "peagle", "dflash", "dflash2"):
+        assert decoding_options(compose([f"drafter={drafter}"]).drafter) == {}
+    with pytest.raises(PipelineError, match=r"^drafter\.confidence_threshold: must be in \[0, 1\]"):
+        validate(compose(["drafter=dspark", "drafter.confidence_threshold=1.5"]))
 
 
 def test_two_evaluations_of_one_checkpoint_export_to_two_folders():
@@ -519,7 +530,7 @@ def test_how_val_tau_decodes_keys_the_training_that_measures_it():
     assert StagePaths(compose(["training.val_samples=4", "training.val_tau_samples=2",
                                "evaluation.num_speculative_tokens=2"])).train == logged.train
     for drafter, options in (("peagle", ["evaluation.num_speculative_tokens=2"]),
-                             ("dspark", ["evaluation.confidence_threshold=0.6"])):
+                             ("dspark", ["drafter.confidence_threshold=0.6"])):
         base = StagePaths(compose([f"drafter={drafter}", *val_tau]))
         assert StagePaths(compose([f"drafter={drafter}", *val_tau, *options])).train != base.train
         plain = StagePaths(compose([f"drafter={drafter}"]))

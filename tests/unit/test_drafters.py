@@ -259,8 +259,20 @@ def test_dspark_draft_uses_the_confidence_head():
     assert torch.equal(model.draft(aux, ids, 4), drafts)
     with torch.no_grad():
         model.confidence_head.proj.bias.fill_(-3.0)  # confident in nothing: the block is cut to one draft
-    model.confidence_threshold = 0.5
+    model.set_decoding_options(confidence_threshold=0.5)
     assert torch.equal(model.draft(aux, ids, 4), drafts[:1])
+
+
+@pytest.mark.parametrize("name", ["eagle3", "peagle", "dflash", "dflash2", "dspark"])
+def test_a_decoding_option_a_drafter_does_not_have_is_refused_by_name(name):
+    """The decoding options a measurement passes are the drafter schema's (DrafterConfig.decoding_options); a name
+    the drafter does not decode with is an error, not a setting silently ignored."""
+    model = tiny_drafter(name)
+    with pytest.raises(TypeError, match="no decoding option markov_threshold"):
+        model.set_decoding_options(markov_threshold=0.5)
+    if name != "dspark":
+        with pytest.raises(TypeError, match="no decoding option confidence_threshold"):
+            model.set_decoding_options(confidence_threshold=0.5)
 
 
 def test_dspark_markov_bias_conditions_each_draft_on_the_previous_one():

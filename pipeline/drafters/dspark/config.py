@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.config.schema import decoding_setting
 from pipeline.drafters.dflash.config import DFlashConfig, PositionWeighting
 
 
@@ -15,9 +16,12 @@ class DSparkConfig(DFlashConfig):
     # Rank of the Markov (previous-token) logit bias: speculators' CLI default, 1.01-1.03 of rank 64 in tau
     # (benchmarks/results/versus_speculators.json).
     markov_rank: int = 256
-    # Weight of the confidence head's loss (the head truncates the block at decoding time,
-    # evaluation.confidence_threshold).
+    # Weight of the confidence head's loss (the head truncates the block at decoding time, confidence_threshold).
     confidence_loss_weight: float = 1.0
+    # Decoding sends drafts while the product of their confidences stays >= this (0 = send all K). It decodes and
+    # never trains: another value is another evaluation and export (whose config.json records it), and another
+    # training only where val.tau picks the final checkpoint (training.select_best_by=val.tau decodes with it).
+    confidence_threshold: float = decoding_setting(0.3)
 
     def validate(self) -> None:
         """D-PACE is DFlash's: DSpark's Markov bias takes its gradient from fixed position weights."""
@@ -28,3 +32,4 @@ class DSparkConfig(DFlashConfig):
         super().validate()
         require(self.markov_rank >= 1, "drafter.markov_rank: must be >= 1")
         require(self.confidence_loss_weight >= 0, "drafter.confidence_loss_weight: must be >= 0")
+        require(0.0 <= self.confidence_threshold <= 1.0, "drafter.confidence_threshold: must be in [0, 1]")

@@ -76,11 +76,6 @@ class DSparkDrafter(DFlashDrafter):
             extra["confidence_threshold"] = float(config["confidence_threshold"])
         return extra
 
-    @classmethod
-    def evaluated_extra(cls, evaluation_cfg: Any) -> dict[str, Any]:
-        """The truncation threshold the evaluation decoded with, recorded in the export."""
-        return {"confidence_threshold": float(evaluation_cfg.confidence_threshold)}
-
     def __init__(self, spec: DrafterSpec, init_std: float = 0.02):
         super().__init__(spec, init_std)
         rank = int(spec.extra["markov_rank"])  # an extra_key: every spec of a DSpark carries it
@@ -92,9 +87,10 @@ class DSparkDrafter(DFlashDrafter):
         """{"confidence_threshold": float}: the threshold `draft` truncates with (0.0 = every draft is sent)."""
         return {"confidence_threshold": self.confidence_threshold}
 
-    def set_decoding_options(self, confidence_threshold: float | None = None) -> None:
-        """Truncate with `confidence_threshold` from now on (a probability in [0, 1]; 0 sends all K drafts; None keeps
-        the current one). Taken as given: nothing is checked, nothing raised."""
+    def set_decoding_options(self, confidence_threshold: float | None = None, **others: Any) -> None:
+        """Truncate with `confidence_threshold` from now on (a probability in [0, 1], DSparkConfig checks it; 0 sends
+        all K drafts; None keeps the current one). Another option name raises TypeError."""
+        super().set_decoding_options(**others)
         if confidence_threshold is not None:
             self.confidence_threshold = float(confidence_threshold)
 
