@@ -11,7 +11,8 @@ from pipeline.drafters.dflash.config import DFlashConfig, PositionWeighting
 @dataclass
 class DFlash2Config(DFlashConfig):
     name: str = "dflash2"
-    # Fixed position decay: D-PACE is DFlash's alone (validate).
+    # Fixed position decay: our DFlash2 weighs its selector loss by it (speculators' DFlash2 also offers D-PACE;
+    # not built here, validate refuses it).
     position_weighting: PositionWeighting = PositionWeighting.decay
     # Causal taps of each grouped dynamic convolution inside a draft block (at most the block size).
     conv_kernel_size: int = 2
@@ -30,7 +31,8 @@ class DFlash2Config(DFlashConfig):
         from pipeline.errors import require
 
         # First: DFlash's checks would otherwise judge a dpace knob as if dpace were this drafter's.
-        require(self.position_weighting == "decay", "drafter.position_weighting: 'dpace' is dflash's, not dflash2's")
+        require(self.position_weighting == "decay",
+                "drafter.position_weighting: dflash2 trains with the fixed decay; 'dpace' is built for dflash only")
         super().validate()
         require(self.draft_vocab_size is None,
                 "drafter.draft_vocab_size: DFlash2 needs the verifier's full vocabulary (null)")
