@@ -1,7 +1,7 @@
 """Drafter benchmarks on SmolLM2, written as JSON.
 
     python benchmarks/drafters.py harness [--steps 150] [--root outputs/bench-drafters] [--out FILE]
-        One Hydra multirun over the four drafters (`jobs/run_pipeline.py -m drafter=eagle3,peagle,dflash,dspark`)
+        One Hydra multirun over every registered drafter (`jobs/run_pipeline.py -m drafter=eagle3,peagle,...`)
         on one shared feature store, the same data and steps, each evaluated by the reference decoder at K=7.
         Reports pooled tau and per-position acceptance per drafter.
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from pipeline.drafters import DRAFTERS  # noqa: E402  (every registered drafter, in registration order)
 from pipeline.fsutil import atomic_write_text, output_file_problem  # noqa: E402
 
-DRAFTERS = ["eagle3", "peagle", "dflash", "dspark"]
 K = 7
 
 

@@ -33,10 +33,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from pipeline.config.schema import DeepSpeedConfig, TrainingConfig  # noqa: E402
+from pipeline.drafters import DRAFTERS  # noqa: E402  (every registered drafter, in registration order)
 from pipeline.errors import PipelineError, require  # noqa: E402
 from pipeline.fsutil import atomic_write_text, output_file_problem  # noqa: E402
 
-DRAFTERS = ["eagle3", "peagle", "dflash", "dspark", "dflash2"]
 DEVICE = "cuda"
 LOSS_WINDOW = 5  # steps: the loss checks compare the mean of the first and of the last LOSS_WINDOW
 SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
