@@ -227,4 +227,4 @@ def vllm_unsupported_reason(model_type: str) -> Optional[str]:
     if family.vllm_collects_aux:
         return None
     return (f"vLLM 0.32's {model_type} model passes no aux hidden states to a drafter (no EAGLE-3 support), "
-            "so it cannot serve an EAGLE-3, P-EAGLE or DFlash drafter for this verifier")
+            "so it cannot serve any of our drafters for this verifier")
