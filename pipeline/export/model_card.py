@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.evaluation.vllm_runner import speculative_method
+from pipeline.export.vllm_config import speculative_method
 
 CARD_FILE = "README.md"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import PipelineError
-from pipeline.evaluation.vllm_runner import speculative_config
+from pipeline.export.vllm_config import speculative_config
 from pipeline.families import vllm_engine_options
 from pipeline.serving.registry import LocatedSpeculator, ResolvedSpeculator, fetch, locate
 
