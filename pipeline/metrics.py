@@ -85,3 +85,19 @@ def expected_tau(conditional: list[float]) -> float:
         survive *= alpha
         tau += survive
     return tau
+
+
+def served_figures(counters: dict) -> dict:
+    """The spec's figures from vLLM's spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens,
+    num_accepted_tokens_per_pos [K]): pooled tau and cumulative acceptance per position [K]. Read alike by the
+    evaluation's vLLM cross-check, Ray Serve's served.* metrics and the benchmarks. Raises PipelineError when vLLM
+    counted no draft step."""
+    from pipeline.errors import PipelineError
+
+    drafts = counters["num_drafts"]
+    if drafts == 0:
+        raise PipelineError("vllm_eval: vLLM reported no draft steps (speculation did not run)")
+    return {"tau": 1.0 + counters["num_accepted_tokens"] / drafts,
+            "cumulative_acceptance": [n / drafts for n in counters["num_accepted_tokens_per_pos"]],
+            "num_drafts": drafts, "num_draft_tokens": counters["num_draft_tokens"],
+            "num_accepted_tokens": counters["num_accepted_tokens"]}

@@ -24,6 +24,7 @@ from pipeline.errors import PipelineError, read_json_object, required_fields
 from pipeline.evaluation import gate
 from pipeline.families import load_verifier_config, vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
+from pipeline.metrics import served_figures
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +53,6 @@ def skip_reason(enabled: str, algorithm: str, on_gpu: bool, verifier_model_type:
     if enabled == "true":
         raise PipelineError(f"evaluation.vllm.enabled is true but {reason}")
     return reason
-
-
-def served_figures(counters: dict) -> dict:
-    """The metric spec's figures from vLLM's counters: pooled tau and cumulative acceptance per position."""
-    drafts = counters["num_drafts"]
-    if drafts == 0:
-        raise PipelineError("vllm_eval: vLLM reported no draft steps (speculation did not run)")
-    return {"tau": 1.0 + counters["num_accepted_tokens"] / drafts,
-            "cumulative_acceptance": [n / drafts for n in counters["num_accepted_tokens_per_pos"]],
-            "num_drafts": drafts, "num_draft_tokens": counters["num_draft_tokens"],
-            "num_accepted_tokens": counters["num_accepted_tokens"]}
 
 
 def compare(report: dict, requests: list[dict], served: dict) -> dict:

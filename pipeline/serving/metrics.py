@@ -41,7 +41,7 @@ def scrape(url: str, timeout_s: float = 10.0) -> str:
 
 def served_metrics(counters: dict) -> dict[str, float]:
     """MLflow metrics for the registry version's run; empty until a draft step was counted."""
-    from pipeline.evaluation.vllm_check import served_figures
+    from pipeline.metrics import served_figures
 
     if not counters["num_drafts"]:
         return {}

@@ -223,8 +223,8 @@ def test_every_drafter_of_every_family_trains_exports_and_decodes_losslessly_in_
 
     from pipeline.data.chat import prompt_ids
     from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
-    from pipeline.evaluation.vllm_check import served_figures
     from pipeline.export.speculators_format import export_speculators, load_speculators, round_to_export_dtype
+    from pipeline.metrics import served_figures
     from pipeline.verifier import load_verifier, verifier_stop_token_ids
 
     path = tiny_family_path(family)

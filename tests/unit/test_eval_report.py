@@ -14,7 +14,8 @@ from pipeline.evaluation.eval_sets import eval_sets, trained_prompts
 from pipeline.evaluation.profile import speculation_profile
 from pipeline.evaluation.reference_decoder import SpeculativeDecoder, verifier_greedy
 from pipeline.evaluation.report import write_report
-from pipeline.evaluation.vllm_check import compare, served_figures
+from pipeline.evaluation.vllm_check import compare
+from pipeline.metrics import served_figures
 from pipeline.verifier import load_verifier
 from tests.conftest import write_jsonl
 from tests.unit.test_reference_decoder import PROMPTS, OracleDrafter, drafter_for, prompt_tokens
