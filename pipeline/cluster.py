@@ -6,10 +6,13 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pipeline.errors import PipelineError, Terminated
 from pipeline.logs import ray_runtime_env
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ LOCAL_START_ATTEMPTS = 3
 _NODE_START_TIMEOUT = "timed out during startup"
 
 
-def ensure_ray(cluster_cfg: Any, metrics_export_port: Optional[int] = None) -> None:
+def ensure_ray(cluster_cfg: ClusterConfig, metrics_export_port: Optional[int] = None) -> None:
     """Connect to the cluster in cluster.address or RAY_ADDRESS, else start a local Ray; either way the job's
     workers get pipeline.logs' quiet settings. metrics_export_port: where a local Ray serves its Prometheus
     metrics (a cluster has its own). Returns None; raises what ray.init raises."""
@@ -80,7 +83,7 @@ def running_local_cluster() -> Optional[str]:
         return None
 
 
-def starts_local_ray(cluster_cfg: Any) -> bool:
+def starts_local_ray(cluster_cfg: ClusterConfig) -> bool:
     """Whether ensure_ray would start a Ray of its own on this machine: no cluster address (or `local`, which
     ray.init takes as "start one"), no `ray start` cluster here to join, and no Ray running in this process yet."""
     import ray
@@ -91,7 +94,7 @@ def starts_local_ray(cluster_cfg: Any) -> bool:
     return address == "local" or (not address and running_local_cluster() is None)
 
 
-def local_ray_cpus(cluster_cfg: Any) -> Optional[int]:
+def local_ray_cpus(cluster_cfg: ClusterConfig) -> Optional[int]:
     """The CPUs of the local Ray ensure_ray would start for this job (cluster.local_num_cpus, else what Ray counts
     on this machine, its container's limit included); None when the job joins a cluster (cluster.address,
     RAY_ADDRESS, one `ray start` began on this machine) or a Ray already running in this process, whose size is

@@ -8,7 +8,7 @@ import hashlib
 import json
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,6 +22,9 @@ from pipeline.config.schema import (
     TrainingConfig,
 )
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import DataConfig, DrafterConfig, VerifierConfig
 
 
 def _plain(value: Any) -> Any:
@@ -101,7 +104,7 @@ def _keyed_by_content(settings: dict, source: Any, field: str) -> dict:
     return settings
 
 
-def _used_data_settings(data_cfg: Any) -> dict:
+def _used_data_settings(data_cfg: DataConfig) -> dict:
     """cfg.data's result settings (not its `name` label), with the fields its source does not read
     (pipeline/data/prompts.py: FIELDS_READ_BY) at their defaults: another value of one selects the same prompts, so
     it resumes the same run. The synthetic settings of a source that does not read them are left out instead (as
@@ -141,7 +144,7 @@ def _deepspeed_settings(cfg: DictConfig) -> dict:
     return deepspeed
 
 
-def chat_additions(verifier_cfg: Any) -> dict:
+def chat_additions(verifier_cfg: VerifierConfig) -> dict:
     """What a GGUF conversion adds to the file's own (a chat template, end-of-turn ids): part of the verifier's
     identity. Empty for most verifiers."""
     additions = {"chat_template": verifier_cfg.chat_template,
@@ -164,15 +167,15 @@ def _val_tau_decoding(cfg: DictConfig) -> list[dict]:
                                   "batch_size": cfg.evaluation.batch_size, **decoding_options(cfg.drafter)}}]
 
 
-def decoding_options(drafter_cfg: Any) -> dict[str, Any]:
+def decoding_options(drafter_cfg: DrafterConfig) -> dict[str, Any]:
     """{name: value} of the drafter's options that decode and never train (schema.decoding_setting: DSpark's
     confidence_threshold); {} for a drafter without any. drafter_cfg: the composed `drafter` group."""
     schema = _drafter_schema(drafter_cfg)
-    return {spec.name: _plain(drafter_cfg[spec.name]) for spec in dataclasses.fields(schema)
+    return {spec.name: _plain(getattr(drafter_cfg, spec.name)) for spec in dataclasses.fields(schema)
             if spec.metadata.get("decoding")}
 
 
-def _drafter_schema(drafter_cfg: Any) -> type:
+def _drafter_schema(drafter_cfg: DrafterConfig) -> type:
     """The drafter's own schema class (pipeline/drafters/<name>/config.py), DrafterConfig for an untyped group."""
     schema = OmegaConf.get_type(drafter_cfg)
     return schema if isinstance(schema, type) and issubclass(schema, DrafterConfig) else DrafterConfig

@@ -15,7 +15,7 @@ import json
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable
 
 import torch
 from filelock import FileLock
@@ -24,18 +24,21 @@ from pipeline.errors import PipelineError, first_line, read_json
 from pipeline.fsutil import atomic_folder, safetensors_is_whole
 from pipeline.paths import chat_additions
 
+if TYPE_CHECKING:
+    from pipeline.config.schema import VerifierConfig
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_verifier_path(verifier_cfg: Any) -> str:
+def resolve_verifier_path(verifier_cfg: VerifierConfig) -> str:
     """Return a local folder (or hub id) that ``from_pretrained`` can load."""
     if verifier_cfg.path:
         return _resolve_explicit_path(str(verifier_cfg.path))
     if verifier_cfg.gguf_package:
         return str(_convert_packaged_gguf(verifier_cfg))
-    if verifier_cfg.get("tiny"):
+    if verifier_cfg.tiny:
         return str(_built_tiny_verifier(verifier_cfg))
     raise PipelineError("verifier.path: set a local folder or hub id, verifier.gguf_package or verifier.tiny")
 
@@ -199,10 +202,10 @@ def _assembled_file(package: str) -> Path | None:
         raise PipelineError(f"verifier.gguf_package: '{package}' could not assemble its GGUF: {error}") from error
 
 
-def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
+def _convert_packaged_gguf(verifier_cfg: VerifierConfig) -> Path:
     if not verifier_cfg.gguf_file:
         raise PipelineError("verifier.gguf_file: required with verifier.gguf_package")
-    gguf_path = packaged_file(verifier_cfg.gguf_package, verifier_cfg.gguf_file)
+    gguf_path = packaged_file(str(verifier_cfg.gguf_package), verifier_cfg.gguf_file)
     target = Path(verifier_cfg.cache_dir).expanduser() / converted_folder_name(verifier_cfg)
 
     def convert(staging: Path) -> None:
@@ -211,7 +214,7 @@ def _convert_packaged_gguf(verifier_cfg: Any) -> Path:
     return _built_once(target, convert)
 
 
-def _built_tiny_verifier(verifier_cfg: Any) -> Path:
+def _built_tiny_verifier(verifier_cfg: VerifierConfig) -> Path:
     from pipeline.generation.tiny_verifier import build_name, save_tiny_verifier
 
     target = Path(verifier_cfg.cache_dir).expanduser() / build_name(str(verifier_cfg.tiny))
@@ -232,7 +235,7 @@ def _built_once(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def converted_folder_name(verifier_cfg: Any) -> str:
+def converted_folder_name(verifier_cfg: VerifierConfig) -> str:
     """<name>-<save_dtype>, plus a hash of chat_additions when there are any: a changed template converts anew."""
     name = f"{verifier_cfg.name}-{verifier_cfg.save_dtype}"
     additions = chat_additions(verifier_cfg)
@@ -283,7 +286,7 @@ def gguf_tokenizer(gguf_path: Path, chat_template: str | None = None) -> Any:
     return tokenizer
 
 
-def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, verifier_cfg: Any) -> None:
+def _save_gguf_as_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, verifier_cfg: VerifierConfig) -> None:
     from transformers import AutoModelForCausalLM
 
     folder, name = str(gguf_path.parent), gguf_path.name

@@ -227,7 +227,7 @@ def _require_path(prompt_set: Any, field: str) -> None:
              f"{field}.path: required when {field}.source is '{prompt_set.source}'")
 
 
-def _validate_evaluation(evaluation: DictConfig) -> None:
+def _validate_evaluation(evaluation: schema_module.EvaluationConfig) -> None:
     _require(evaluation.batch_size >= 1, "evaluation.batch_size: must be >= 1")
     _require(evaluation.prompts_per_set >= 1, "evaluation.prompts_per_set: must be >= 1")
     _require(evaluation.max_new_tokens >= 1, "evaluation.max_new_tokens: must be >= 1")

@@ -17,13 +17,16 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import datasets
 
 from pipeline.data.rows import SkipRow, is_blank, read_jsonl, row_messages
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, PromptWriter, verifier_prompts
 from pipeline.errors import PipelineError, first_line
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import DataConfig, EvalSetConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def _parquet_rows(path: Path) -> datasets.Dataset:
         raise PipelineError(f"data.path: cannot read '{path}' as parquet: {error}") from error
 
 
-def prompt_file(data_cfg: Any, field: str = "data.path") -> Path:
+def prompt_file(data_cfg: DataConfig | EvalSetConfig, field: str = "data.path") -> Path:
     """The local prompt file of a jsonl or parquet source (data, or an eval set's definition). Raises PipelineError
     naming `field` when it is missing, a folder or not a regular file."""
     path = Path(str(data_cfg.path)).expanduser()
@@ -149,7 +152,7 @@ def check_hub_dataset(path: str, field: str) -> None:
                             f"({type(error).__name__}: {first_line(error)[:200]})") from None
 
 
-def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str, dict]]:
+def _load_raw(data_cfg: DataConfig | EvalSetConfig, writer: PromptWriter | None) -> Iterable[tuple[str, dict]]:
     """(where, row) for every row of the source; `where` names the row in errors (a file's line number)."""
     source = data_cfg.source
     if source in OFFLINE_SOURCES:
@@ -168,7 +171,7 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
             raise PipelineError(f"data.path: the prompt file '{path}' is empty")
         return rows
     if source == "hub":
-        subset = data_cfg.get("subset")
+        subset = data_cfg.subset
         try:
             raw = datasets.load_dataset(str(data_cfg.path), *([subset] if subset else []), split=data_cfg.split)
         except Exception as error:  # offline, a missing dataset, subset or split: the hub raises many types
@@ -178,7 +181,7 @@ def _load_raw(data_cfg: Any, writer: PromptWriter | None) -> Iterable[tuple[str,
     raise PipelineError(f"data.source: unknown source '{source}'")
 
 
-def _to_messages(row: dict[str, Any], data_cfg: Any, where: str, dropped: Counter,
+def _to_messages(row: dict[str, Any], data_cfg: DataConfig | EvalSetConfig, where: str, dropped: Counter,
                  unread: Counter) -> list[dict[str, str]]:
     """The row's conversation; `dropped` counts the turns left out, `unread` the fields the row held but that
     were not read (a prompt beside messages: the first of row_messages' fields wins)."""
@@ -205,7 +208,7 @@ def _conversation_problem(messages: list[dict[str, str]]) -> str | None:
     return None
 
 
-def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.Dataset:
+def load_prompts(data_cfg: DataConfig | EvalSetConfig, writer: PromptWriter | None = None) -> datasets.Dataset:
     """All usable conversations of the configured source, deduplicated by content, in source order.
 
     writer: the verifier that writes the prompts of the `synthetic` and `general` sources (PipelineError without
@@ -250,7 +253,7 @@ def load_prompts(data_cfg: Any, writer: PromptWriter | None = None) -> datasets.
     return datasets.Dataset.from_list(rows)
 
 
-def split_prompts(prompts: datasets.Dataset, data_cfg: Any) -> tuple[datasets.Dataset, datasets.Dataset]:
+def split_prompts(prompts: datasets.Dataset, data_cfg: DataConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Shuffle with a fixed seed, then take the held-out eval set first and the train set after it, less any
     conversation asking what a held-out one asks (prompt_key): the held-out prompts do not move when num_train
     changes, so runs with more or less data are measured alike. Raises PipelineError when too few are left."""

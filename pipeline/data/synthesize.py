@@ -23,10 +23,13 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import SyntheticConfig
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +183,15 @@ class PromptWriter:
     cluster: Any
 
 
-def check_synthetic_config(synth_cfg: Any, field_name: str) -> None:
+def check_synthetic_config(synth_cfg: SyntheticConfig, field_name: str) -> None:
     """Raise PipelineError naming `<field_name>.<key>` for a setting that cannot work."""
     unknown = [d for d in synth_cfg.domains if d not in synth_cfg.system_prompts]
     if not synth_cfg.domains or unknown:
         raise PipelineError(f"{field_name}.domains: {list(unknown) or 'empty'}: each domain needs an entry in "
                             f"{field_name}.system_prompts ({sorted(synth_cfg.system_prompts)})")
     for key in ("per_domain", "batch_size", "max_new_tokens", "cpus"):
-        if int(synth_cfg[key]) < 1:
-            raise PipelineError(f"{field_name}.{key}: must be >= 1, got {synth_cfg[key]}")
+        if int(getattr(synth_cfg, key)) < 1:
+            raise PipelineError(f"{field_name}.{key}: must be >= 1, got {getattr(synth_cfg, key)}")
     if int(synth_cfg.batch_size) > BATCH_SEED_STRIDE:
         raise PipelineError(f"{field_name}.batch_size: at most {BATCH_SEED_STRIDE}, got {synth_cfg.batch_size}")
     if not float(synth_cfg.temperature) > 0:  # also refuses NaN
@@ -197,7 +200,7 @@ def check_synthetic_config(synth_cfg: Any, field_name: str) -> None:
         raise PipelineError(f"{field_name}.top_p: must be in (0, 1] to sample prompts, got {synth_cfg.top_p}")
 
 
-def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str]]:
+def verifier_prompts(synth_cfg: SyntheticConfig, writer: PromptWriter) -> list[dict[str, str]]:
     """[{domain, prompt}] written by the verifier for synth_cfg (SyntheticConfig), sampled in a Ray task the first
     time and kept under writer.cache_root in a folder keyed by the verifier and every setting."""
     from omegaconf import OmegaConf
@@ -205,8 +208,8 @@ def verifier_prompts(synth_cfg: Any, writer: PromptWriter) -> list[dict[str, str
     from pipeline.cluster import ensure_ray, get_remote
     from pipeline.paths import content_key
 
-    settings = dict(cast(dict, OmegaConf.to_container(synth_cfg, resolve=True))
-                    if OmegaConf.is_config(synth_cfg) else synth_cfg)
+    # a composed group, a SyntheticConfig or a plain dict alike
+    settings = dict(cast(dict, OmegaConf.to_container(OmegaConf.structured(synth_cfg), resolve=True)))
     settings["system_prompts"] = {d: settings["system_prompts"][d] for d in settings["domains"]}  # only those used
     folder = writer.cache_root / content_key(settings, writer.identity, writer.compute_dtype)
     ensure_ray(writer.cluster)

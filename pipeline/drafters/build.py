@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from safetensors import safe_open
@@ -18,6 +18,9 @@ from pipeline.families import (
     text_weights_prefix,
     verifier_config_dict,
 )
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import DrafterConfig
 
 
 def default_aux_layer_ids(algorithm: str, num_verifier_layers: int) -> list[int]:
@@ -87,7 +90,7 @@ def check_mask_token_id(mask_token_id: int, vocab_size: int) -> None:
                             f"(0..{int(vocab_size) - 1})")
 
 
-def check_configured_drafter(drafter_cfg: Any, verifier_path: str) -> None:
+def check_configured_drafter(drafter_cfg: DrafterConfig, verifier_path: str) -> None:
     """Before any stage: the configured drafter is built for the verifier's config.json on torch's meta device (no
     memory, no weights), so every check its spec and its modules make against the verifier (aux layer ids, the mask
     token, DFlash2's convolution groups and selector candidates) refuses a bad value in a second rather than after
@@ -102,7 +105,7 @@ def check_configured_drafter(drafter_cfg: Any, verifier_path: str) -> None:
 
 
 def make_spec(
-    drafter_cfg: Any, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
+    drafter_cfg: DrafterConfig, verifier_config: Any, verifier_name: str, verifier_path: str, default_mask_token_id: int
 ) -> DrafterSpec:
     """The drafter's spec for a verifier. verifier_config: the checkpoint's HF config or its text config
     (load_verifier_config); a multimodal one is read through its text model, the architecture is the checkpoint's.
@@ -112,7 +115,7 @@ def make_spec(
     num_layers = int(verifier_config.num_hidden_layers)
     aux = list(drafter_cfg.aux_layer_ids or default_aux_layer_ids(drafter_cfg.name, num_layers))
     check_aux_layer_ids(aux, num_layers)
-    configured_mask = drafter_cfg.get("mask_token_id")  # the drafters that fill positions with a mask token
+    configured_mask = getattr(drafter_cfg, "mask_token_id", None)  # the drafters that fill positions with a mask token
     mask_token_id = configured_mask if configured_mask is not None else default_mask_token_id
     check_mask_token_id(mask_token_id, verifier_config.vocab_size)
     from pipeline.drafters import drafter_class
@@ -128,8 +131,8 @@ def make_spec(
         mask_token_id=int(mask_token_id),
         num_layers=int(drafter_cfg.num_layers),
         # an EAGLE-family option; the block drafters' layers never read it
-        norm_before_residual=bool(drafter_cfg.get("norm_before_residual", True)),
-        extra={key: drafter_cfg[key] for key in cls.extra_keys},
+        norm_before_residual=bool(getattr(drafter_cfg, "norm_before_residual", True)),
+        extra={key: getattr(drafter_cfg, key) for key in cls.extra_keys},
         verifier_architecture=architecture,
         verifier_logit_softcap=logit_softcap(verifier_config),
     )

@@ -8,11 +8,14 @@ both a training and an eval source), whatever their system prompt or assistant t
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pipeline.data.chat import prompt_messages
 from pipeline.data.prompts import check_file_unchanged, load_prompts, prompt_key
 from pipeline.errors import PipelineError, first_line
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import EvaluationConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ def trained_prompts(train) -> set[str]:
     return {prompt_key(row["messages"]) for row in train}
 
 
-def eval_sets(eval_cfg: Any, held_out, trained: set[str], writer=None,
+def eval_sets(eval_cfg: EvaluationConfig, held_out, trained: set[str], writer=None,
               fit: Optional[Callable[[str, list], list]] = None,
               file_sha256: Optional[dict[str, str]] = None) -> dict[str, list[list[dict]]]:
     """{set name: conversations (prompt messages only)}, in the order `eval_cfg.datasets` names them. `trained`:
@@ -47,7 +50,7 @@ def eval_sets(eval_cfg: Any, held_out, trained: set[str], writer=None,
     return sets
 
 
-def set_config(name: str, eval_cfg: Any) -> Any:
+def set_config(name: str, eval_cfg: EvaluationConfig) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -65,7 +68,8 @@ def set_config(name: str, eval_cfg: Any) -> Any:
                             f"({{source: ..., path: ...}}), got {eval_cfg.sets[name]!r}") from error
 
 
-def _named_set(name: str, eval_cfg: Any, trained: set[str], writer, expected_sha256: Optional[str]) -> list[dict]:
+def _named_set(name: str, eval_cfg: EvaluationConfig, trained: set[str], writer,
+               expected_sha256: Optional[str]) -> list[dict]:
     prompts = read_named_set(name, eval_cfg, writer)
     check_file_unchanged(eval_cfg.sets[name].get("path"), expected_sha256, f"evaluation.sets.{name}.path")
     unseen = [row for row in prompts if prompt_key(row["messages"]) not in trained]
@@ -74,7 +78,7 @@ def _named_set(name: str, eval_cfg: Any, trained: set[str], writer, expected_sha
     return unseen
 
 
-def read_named_set(name: str, eval_cfg: Any, writer=None):
+def read_named_set(name: str, eval_cfg: EvaluationConfig, writer=None):
     """Every usable conversation of the eval set `name` (a datasets.Dataset, as load_prompts gives). Raises
     PipelineError naming the set's own fields (evaluation.sets.<name>.path, ...)."""
     definition = set_config(name, eval_cfg)

@@ -11,9 +11,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import GateConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ def divergence_doubt(result: dict) -> Optional[str]:
 
 
 def decide(candidate_tau: float, tau_gap: Optional[float], signature: str, champion: Optional[dict],
-           gate_cfg: Any, no_check_reason: str = "the vllm_eval stage did not run",
+           gate_cfg: GateConfig, no_check_reason: str = "the vllm_eval stage did not run",
            lossless_doubt: Optional[str] = None) -> Decision:
     """champion: the current champion version's tags (None when there is none). lossless_doubt: why vLLM's greedy
     output is not trusted to be the verifier's (divergence_doubt), None when it is. A tau or gap that is not a
@@ -120,7 +123,7 @@ def held_alias_before(tags: dict[str, str]) -> bool:
 CONCURRENT_PROMOTION_S = 60.0
 
 
-def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: dict, gate_cfg: Any) -> Decision:
+def promote(tracker: Any, name: str, version: str, report: dict, vllm_result: dict, gate_cfg: GateConfig) -> Decision:
     """Decide for `version` of `name`, record the decision on the version, move the alias when it passes.
     The version that already holds the alias (a rerun that reused its registration) keeps it and its tags; one
     promoted before that no longer holds it (superseded, or taken out of service by an operator) is not promoted

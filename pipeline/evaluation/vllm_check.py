@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -26,12 +26,15 @@ from pipeline.families import load_verifier_config, vllm_unsupported_reason
 from pipeline.fsutil import atomic_write_text
 from pipeline.metrics import served_figures
 
+if TYPE_CHECKING:
+    from pipeline.config.schema import VllmEvalConfig
+
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "vllm.json"
 
 
-def cross_check_off(vllm_cfg: Any) -> bool:
+def cross_check_off(vllm_cfg: VllmEvalConfig) -> bool:
     """Whether evaluation.vllm.enabled turns the vLLM cross-check off (auto and true run it where it can)."""
     return str(vllm_cfg.enabled).lower() == "false"
 

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import datasets
 
@@ -36,6 +36,9 @@ from pipeline.generation.common import (
 )
 from pipeline.generation.workers import CaptureWorker
 
+if TYPE_CHECKING:
+    from pipeline.config.schema import GenerationConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +63,7 @@ def _check_store_compatible(previous: dict | None, wanted: dict, store: Path) ->
             raise PipelineError(f"store: '{store}' holds {key}={previous[key]}, this run needs {wanted[key]}")
 
 
-def _capture_items(todo: list[dict], gen_cfg: Any) -> list[dict]:
+def _capture_items(todo: list[dict], gen_cfg: GenerationConfig) -> list[dict]:
     batches = pack_by_token_budget([len(r["input_ids"]) for r in todo],
                                    gen_cfg.capture_max_batch_tokens or gen_cfg.max_batch_tokens,
                                    gen_cfg.capture_batch_size or gen_cfg.batch_size)

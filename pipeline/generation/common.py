@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from pipeline.context import Context
 from pipeline.errors import PipelineError, remote_cause
 from pipeline.families import load_verifier_config
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import GenerationConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ GIB = 1024**3
 REGENERATION_INFO = "regeneration.json"  # written beside the regenerated set: its tokenizer, backend, skips
 
 
-def stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: Any) -> Iterator[dict]:
+def stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: GenerationConfig) -> Iterator[dict]:
     """Run `worker_cls` over every item (one token-budget batch each) on an actor pool; yield summaries as they
     finish."""
     import ray
@@ -52,7 +55,7 @@ def progress(total: int, description: str):
     return progress_bar(total, description, unit="sample")
 
 
-def vllm_options(gen_cfg: Any, capture: bool = False) -> dict:
+def vllm_options(gen_cfg: GenerationConfig, capture: bool = False) -> dict:
     """The vLLM engine's settings. Capture prefills a whole sample and asks for one token (vLLM returns hidden
     states only for a request that runs), so a sample of exactly generation.max_length tokens needs a context one
     longer: with max_model_len = max_length vLLM refused the samples regeneration had truncated to that length."""
@@ -75,7 +78,7 @@ def load_tokenizer(ctx: Context):
     return tokenizer
 
 
-def refuse_over_budget(projected_bytes: int, what: str, gen_cfg: Any) -> None:
+def refuse_over_budget(projected_bytes: int, what: str, gen_cfg: GenerationConfig) -> None:
     log.info("%s: projected store size %.3f GiB (generation.max_store_gb=%s)", what, projected_bytes / GIB,
              gen_cfg.max_store_gb)
     if projected_bytes > gen_cfg.max_store_gb * GIB:

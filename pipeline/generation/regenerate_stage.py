@@ -10,7 +10,7 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 
@@ -35,15 +35,18 @@ from pipeline.generation.parts import read_parts, remove_stale_parts
 from pipeline.generation.regenerate import Limits, keep_conversation
 from pipeline.generation.workers import RegenerateWorker
 
+if TYPE_CHECKING:
+    from pipeline.config.schema import GenerationConfig
+
 log = logging.getLogger(__name__)
 
 
-def _limits(gen_cfg: Any) -> Limits:
+def _limits(gen_cfg: GenerationConfig) -> Limits:
     return Limits(max_new_tokens=int(gen_cfg.max_new_tokens), max_length=int(gen_cfg.max_length),
                   overlength=str(gen_cfg.overlength))
 
 
-def _regeneration_items(rows: list[dict], tokenizer: Any, gen_cfg: Any) -> tuple[list[dict], list[int]]:
+def _regeneration_items(rows: list[dict], tokenizer: Any, gen_cfg: GenerationConfig) -> tuple[list[dict], list[int]]:
     """Token-budget batches; a sample's cost is its first prompt plus every answer it will get, capped."""
     lengths = []
     for row in rows:
@@ -80,7 +83,7 @@ def _regenerate_missing(ctx: Context, rows: list[dict], tokenizer: Any, parts_di
                      "regenerate.seconds": elapsed})
 
 
-def _kept_rows(rows: list[dict], tokenizer: Any, gen_cfg: Any) -> list[dict]:
+def _kept_rows(rows: list[dict], tokenizer: Any, gen_cfg: GenerationConfig) -> list[dict]:
     """`generation.responses=keep`: the source's own answers, tokenized in the driver (no verifier needed)."""
     results = []
     for row in rows:
