@@ -321,6 +321,6 @@ def by_drafter(sample: dict, name: str, layer_ids: list[int], verifier_path: Pat
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/runner.py run_guarded)
+    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/entry.py run_guarded)
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

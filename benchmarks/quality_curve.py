@@ -306,6 +306,6 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except PipelineError as error:  # bad input: one line and exit 2, as the jobs print it (pipeline/runner.py)
+    except PipelineError as error:  # bad input: one line and exit 2, as the jobs print it (pipeline/entry.py)
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -164,6 +164,6 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/runner.py run_guarded)
+    except PipelineError as error:  # bad input: one line, as the jobs print it (pipeline/entry.py run_guarded)
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

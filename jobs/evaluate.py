@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.config import register_configs
-from pipeline.runner import run_hydra_main, run_job
+from pipeline.entry import run_hydra_main, run_job
 
 register_configs()
 

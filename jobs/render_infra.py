@@ -10,10 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.entry import run_guarded
 from pipeline.errors import PipelineError
 from pipeline.infra.render import CLUSTER_SHAPES, EXPERIMENTS, rendered_files, write
 from pipeline.infra.schemas import KUBERNETES_VERSION, file_problems
-from pipeline.runner import run_guarded
 
 REPO = Path(__file__).resolve().parents[1]
 

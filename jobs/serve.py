@@ -7,8 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.config import register_configs
+from pipeline.entry import run_hydra_main
 from pipeline.logs import setup_job_logging
-from pipeline.runner import run_hydra_main
 from pipeline.serving.job import STOPPED_SERVING, run_serve
 
 register_configs()

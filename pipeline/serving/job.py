@@ -194,7 +194,7 @@ def run_serve(cfg: DictConfig) -> int:
     """Entry point for jobs/serve.py."""
     from pipeline.cluster import check_fits_local_ray
     from pipeline.config import validate
-    from pipeline.runner import run_guarded
+    from pipeline.entry import run_guarded
 
     def validated_serve() -> None:
         validate(cfg)

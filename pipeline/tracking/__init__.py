@@ -445,7 +445,7 @@ class Tracker:
         try:
             yield run_id
             status = "FINISHED"
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (runner._stopped): stopped, not failed
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (entry._stopped): stopped, not failed
             status = "KILLED"
             raise
         except SystemExit:  # ray.get's exit after our SIGTERM handler ran, or a real exit

@@ -19,8 +19,8 @@ import pytest
 
 from pipeline.config import compose
 from pipeline.data.store import load_manifest
+from pipeline.entry import run_job
 from pipeline.errors import PipelineError
-from pipeline.runner import run_job
 from tests.conftest import tiny_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

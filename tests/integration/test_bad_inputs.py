@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import compose
+from pipeline.entry import run_job
 from pipeline.errors import PipelineError
-from pipeline.runner import run_job, run_stages
+from pipeline.runner import run_stages
 from tests.conftest import tiny_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

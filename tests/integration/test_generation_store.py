@@ -19,9 +19,10 @@ import pytest
 
 from pipeline.config import compose
 from pipeline.data.store import load_manifest, verify_store
+from pipeline.entry import run_job
 from pipeline.errors import PipelineError
 from pipeline.paths import StagePaths
-from pipeline.runner import run_job, run_stages
+from pipeline.runner import run_stages
 from pipeline.tracking import tracking_uri
 from tests.conftest import tiny_overrides, write_jsonl
 

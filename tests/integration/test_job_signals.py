@@ -16,7 +16,7 @@ JOB = """
 import sys, time
 from pipeline.cluster import ensure_ray
 from pipeline.config.registration import compose
-from pipeline.runner import run_guarded
+from pipeline.entry import run_guarded
 
 def job():
     ensure_ray(compose(["cluster.local_num_cpus=1"]).cluster)

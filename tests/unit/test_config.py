@@ -707,7 +707,7 @@ def test_a_jobs_own_value_error_keeps_its_traceback(tmp_path, monkeypatch):
 
     import hydra
 
-    from pipeline.runner import run_hydra_main
+    from pipeline.entry import run_hydra_main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["job", "hydra.run.dir=."])

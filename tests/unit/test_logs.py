@@ -221,8 +221,8 @@ def test_the_serve_jobs_log_file_survives_ray_llms_logging_setup(tmp_path):
 
 def test_a_jobs_error_line_reaches_its_log_file_too(tmp_path, capsys):
     """The line went to stderr only: the log of a job that failed in a stage ended without saying why."""
+    from pipeline.entry import run_guarded
     from pipeline.errors import PipelineError
-    from pipeline.runner import run_guarded
 
     handler = logging.FileHandler(tmp_path / "train.log")
     logging.getLogger().addHandler(handler)

@@ -209,7 +209,7 @@ def test_a_store_too_small_for_the_held_out_samples_or_the_workers_names_the_set
 
 
 def test_an_interrupted_job_says_so_and_exits_130(capsys):
-    from pipeline.runner import INTERRUPTED, run_guarded
+    from pipeline.entry import INTERRUPTED, run_guarded
 
     def interrupted():
         raise KeyboardInterrupt
@@ -220,7 +220,7 @@ def test_an_interrupted_job_says_so_and_exits_130(capsys):
 
 def test_a_serve_job_stopped_before_it_serves_says_what_it_kept(capsys):
     """Not the stage jobs' "finished stages and checkpoints are kept": a serve job has neither."""
-    from pipeline.runner import INTERRUPTED, run_guarded
+    from pipeline.entry import INTERRUPTED, run_guarded
     from pipeline.serving.job import STOPPED_SERVING
 
     def interrupted():
@@ -237,8 +237,8 @@ def test_sigterm_after_ray_starts_is_a_terminated_job_not_an_abort(capsys, monke
     import signal
 
     from pipeline.cluster import stop_cleanly_on_sigterm
+    from pipeline.entry import TERMINATED, run_guarded
     from pipeline.errors import Terminated
-    from pipeline.runner import TERMINATED, run_guarded
 
     monkeypatch.setattr("pipeline.cluster._sigterm_received", False)  # the handler sets it: put back after
     before = signal.getsignal(signal.SIGTERM)
