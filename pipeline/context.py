@@ -5,10 +5,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
-from omegaconf import DictConfig
-
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError, first_line
 from pipeline.fsutil import atomic_folder
 from pipeline.paths import StagePaths
@@ -17,13 +16,15 @@ from pipeline.tracking import Tracker
 
 @dataclass
 class Context:
-    cfg: DictConfig
+    # The composed config: a DictConfig typed by the schema at run time, read as the schema's dataclasses (the duck
+    # typing OmegaConf documents for structured configs), so mypy checks every field a stage reads.
+    cfg: PipelineConfig
     paths: StagePaths
     tracker: Optional[Tracker] = None
 
     @classmethod
-    def create(cls, cfg: DictConfig, track: bool = True) -> "Context":
-        return cls(cfg=cfg, paths=StagePaths(cfg), tracker=Tracker(cfg) if track else None)
+    def create(cls, cfg: PipelineConfig, track: bool = True) -> "Context":
+        return cls(cfg=cast(PipelineConfig, cfg), paths=StagePaths(cfg), tracker=Tracker(cfg) if track else None)
 
     @functools.cached_property
     def verifier_path(self) -> str:

@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from omegaconf import DictConfig
-
 from pipeline.cluster import shutdown_if_started_here, sigterm_received, stop_cleanly_on_sigterm
-from pipeline.config.schema import PathsConfig
+from pipeline.config.schema import PathsConfig, PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.logs import setup_job_logging, to_log_files
 from pipeline.runner import JOB_STAGES, run_stages
@@ -26,7 +24,7 @@ TERMINATED = 143  # and by SIGTERM
 KEPT_AND_RESUMES = "finished stages and checkpoints are kept, and the same command resumes"
 
 
-def run_guarded(action: Callable[[], Any], cfg: DictConfig | None = None, stopped: str = KEPT_AND_RESUMES) -> int:
+def run_guarded(action: Callable[[], Any], cfg: PipelineConfig | None = None, stopped: str = KEPT_AND_RESUMES) -> int:
     """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input (INTERRUPTED on
     Ctrl-C, TERMINATED on SIGTERM where stop_cleanly_on_sigterm ran, each with a line saying so), and the local Ray
     it started stopped either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
@@ -194,14 +192,14 @@ def _raised_making_hydras_run_folder(error: OSError) -> bool:
     return False
 
 
-def run_job(cfg: DictConfig, job: str) -> int:
+def run_job(cfg: PipelineConfig, job: str) -> int:
     """Run a job's stages (the config's `stages` for `pipeline`) with run_guarded. Returns the exit code."""
     setup_job_logging()
     stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
     return run_guarded(lambda: run_stages(cfg, job, stages), cfg)
 
 
-def remove_unused_hydra_run_folder(cfg: DictConfig) -> None:
+def remove_unused_hydra_run_folder(cfg: PipelineConfig) -> None:
     """Hydra makes its run folder under paths.root, with an empty job log, before any check runs: a job refused
     with nothing logged leaves nothing behind. Only this job's empty log goes, then each folder above it that is
     left empty, up to paths.root, which stays unless this job made it (_note_absent_root: then it goes too, with

@@ -19,6 +19,7 @@ from pipeline.config.schema import (
     EvalSetConfig,
     EvaluationConfig,
     GenerationConfig,
+    PipelineConfig,
     TrainingConfig,
 )
 from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER
@@ -135,7 +136,7 @@ def _used_set_fields(definition: Any, set_name: str) -> Any:
     return _keyed_by_content(used, source, f"evaluation.sets.{set_name}.path")
 
 
-def _deepspeed_settings(cfg: DictConfig) -> dict:
+def _deepspeed_settings(cfg: PipelineConfig) -> dict:
     """cfg.deepspeed's result settings; with DeepSpeed off only `enabled` is read (the plain torch engine), so the
     rest are keyed at their defaults and changing them resumes the same run."""
     deepspeed = result_settings(cfg.deepspeed, DeepSpeedConfig)
@@ -152,12 +153,12 @@ def chat_additions(verifier_cfg: VerifierConfig) -> dict:
     return {key: value for key, value in additions.items() if value}
 
 
-def _selects_by_val_tau(cfg: DictConfig) -> bool:
+def _selects_by_val_tau(cfg: PipelineConfig) -> bool:
     # validate() refuses val.tau selection without val_tau_samples; the second test keeps keys right without it.
     return cfg.training.select_best_by == "val.tau" and cfg.training.val_tau_samples > 0
 
 
-def _val_tau_decoding(cfg: DictConfig) -> list[dict]:
+def _val_tau_decoding(cfg: PipelineConfig) -> list[dict]:
     """How val.tau decodes when it picks the final checkpoint (training.select_best_by=val.tau): the evaluation's K,
     batch and the drafter's decoding options change val.tau and so the checkpoint picked. [] otherwise: val.tau is
     then only logged, and the training's key is as without it."""
@@ -181,7 +182,7 @@ def _drafter_schema(drafter_cfg: DrafterConfig) -> type:
     return schema if isinstance(schema, type) and issubclass(schema, DrafterConfig) else DrafterConfig
 
 
-def _auto_precision(cfg: DictConfig) -> str:
+def _auto_precision(cfg: PipelineConfig) -> str:
     """What training.autocast_dtype=auto trains in (pipeline/training/precision.py: resolve_autocast): on a GPU
     cluster whatever its workers' GPUs compute natively (bf16 from Ampere on; the driver has no GPU to ask, so the
     key says "gpu"), and on CPU what this host computes natively (AVX512-BF16/AMX: bf16, else fp32), as a local
@@ -193,7 +194,7 @@ def _auto_precision(cfg: DictConfig) -> str:
     return "bf16" if native_bf16("cpu") else "fp32"
 
 
-def _training_settings(cfg: DictConfig) -> dict:
+def _training_settings(cfg: PipelineConfig) -> dict:
     """cfg.training's result settings, with autocast `auto` as the precision it resolves to here; how val.tau
     decodes counts only when val.tau picks the final checkpoint (otherwise it is only logged: training draws its
     anchors and order from its own seeded generators). Settings the run's optimizer does not read (Muon's under
@@ -218,12 +219,12 @@ def _training_settings(cfg: DictConfig) -> dict:
 class StagePaths:
     """Where each stage of a config writes. Keys chain: a stage's key includes the keys of what it reads."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: PipelineConfig):
         self.root = Path(cfg.paths.root).expanduser().resolve()
-        verifier = {k: cfg.verifier[k] for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
+        verifier = {k: getattr(cfg.verifier, k) for k in ("name", "path", "gguf_package", "gguf_file", "save_dtype")}
         verifier["path"] = local_path_identity(verifier["path"])
         verifier.update(chat_additions(cfg.verifier))  # only when set: SmolLM2's keys stay as they were
-        if cfg.verifier.get("tiny"):  # likewise: a tiny family verifier is named by its family and build
+        if cfg.verifier.tiny:  # likewise: a tiny family verifier is named by its family and build
             from pipeline.generation.tiny_verifier import build_name
 
             verifier["tiny"] = build_name(cfg.verifier.tiny)

@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from pipeline.cluster import check_fits_local_ray
 from pipeline.config import validate
+from pipeline.config.schema import PipelineConfig
 from pipeline.context import Context
 from pipeline.data.stage import prompts_saved
 from pipeline.errors import PipelineError
@@ -33,7 +32,7 @@ JOB_STAGES = {
 }
 
 
-def run_stages(cfg: DictConfig, job: str, stages: list[str]) -> dict:
+def run_stages(cfg: PipelineConfig, job: str, stages: list[str]) -> dict:
     """Run `stages` in order under one parent run, each in its child run; log one line as each stage ends, each
     stage's seconds to the parent run (time.<stage>_s, and time.total_s), and a table of the times at the end,
     also when a stage fails. Every stage's lock is taken before any MLflow run is made (and before the local store
@@ -82,7 +81,7 @@ def _run_under_parent_run(ctx: Context, job: str, locks: dict[str, contextlib.Ex
     return results
 
 
-def check_input_files(cfg: DictConfig, stages: list[str], paths: StagePaths) -> None:
+def check_input_files(cfg: PipelineConfig, stages: list[str], paths: StagePaths) -> None:
     """The files this job's stages read that the config names, checked before any stage (validate cannot: on a
     cluster they live on its shared mount, not where the manifests are rendered): a jsonl/parquet prompt file, the
     file of each eval set evaluated, a training.resume_from folder, and what a stage reads that an earlier stage

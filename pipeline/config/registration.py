@@ -6,7 +6,7 @@ import os
 import re
 import traceback
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException, ConfigCompositionException
@@ -36,8 +36,9 @@ class ConfigError(PipelineError, ConfigCompositionException):
     also the composition error Hydra raises, whose original is its __cause__."""
 
 
-def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> DictConfig:
-    """Compose the Hydra config like a job would, for tests and tools. Raises ConfigError naming the key."""
+def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> PipelineConfig:
+    """Compose the Hydra config like a job would, for tests and tools. Raises ConfigError naming the key. The result
+    is a DictConfig typed by the schema, read as the PipelineConfig it duck-types (pipeline/context.py)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -52,7 +53,7 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
                 raise
             raise ConfigError(config_error_line(error, overrides or [])) from error
     check_boolean_overrides(cfg, overrides or [])
-    return cfg
+    return cast(PipelineConfig, cfg)
 
 
 def check_boolean_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:

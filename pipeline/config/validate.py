@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -110,9 +110,13 @@ def _command_line_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(config: schema_module.PipelineConfig | DictConfig) -> None:
+    """Raises PipelineError naming the first field whose value no stage can use. `config`: the composed config (a
+    DictConfig, however it is typed), read here as the DictConfig it is: unknown keys, missing values and
+    interpolations are the container's."""
     from pipeline.drafters import DRAFTERS
 
+    cfg = cast(DictConfig, config)
     _check_known_keys(cfg, schema_module.PipelineConfig, "")
     check_boolean_overrides(cfg, _command_line_overrides())
     resolved = _resolved(cfg)  # an interpolation that cannot resolve is named before any check reads its field

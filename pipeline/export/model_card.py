@@ -11,8 +11,9 @@ import json
 import shlex
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from pipeline.config.schema import PipelineConfig, TrainingConfig
 from pipeline.export.vllm_config import speculative_method
 
 CARD_FILE = "README.md"
@@ -60,23 +61,23 @@ def evaluation_section(report: Optional[dict]) -> list[str]:
     return lines + [""]
 
 
-def _batch(training: DictConfig) -> str:
-    accumulation = int(training.get("grad_accum_steps", 1))
+def _batch(training: TrainingConfig) -> str:
+    accumulation = int(training.grad_accum_steps)
     return (f"micro-batch {training.micro_batch_size} × {training.num_workers} workers × {accumulation} "
             "accumulation steps")
 
 
-def _deepspeed(cfg: DictConfig) -> str:
+def _deepspeed(cfg: PipelineConfig) -> str:
     return f"ZeRO stage {cfg.deepspeed.zero_stage}" if cfg.deepspeed.enabled else "off (plain PyTorch)"
 
 
-def _generation(cfg: DictConfig) -> str:
-    capture = cfg.generation.get("capture_backend")
+def _generation(cfg: PipelineConfig) -> str:
+    capture = cfg.generation.capture_backend
     backend = cfg.generation.backend
     return f"{backend} (hidden states captured with {capture})" if capture and capture != backend else backend
 
 
-def training_section(cfg: DictConfig, export_config: dict) -> list[str]:
+def training_section(cfg: PipelineConfig, export_config: dict) -> list[str]:
     """How the drafter was trained: verifier, prompt set, generation backend, drafter config, optimisation and
     DeepSpeed. Returns markdown lines; raises KeyError when the export's config.json lacks its verifier."""
     verifier_path = export_config["speculators_config"]["verifier"]["name_or_path"]
@@ -139,7 +140,7 @@ def with_gate_decision(card: str, name: str, version: str, promoted: bool, reaso
     return "\n".join([kept, "", GATE_HEADING, "", *lines, ""])
 
 
-def model_card(cfg: DictConfig, export_config: dict, export_dir: str, report: Optional[dict],
+def model_card(cfg: PipelineConfig, export_config: dict, export_dir: str, report: Optional[dict],
                lineage: dict[str, Any], registry: Optional[tuple[str, str]] = None) -> str:
     """The whole card as markdown: title, acceptance, training, lineage and serving commands. `report` is the
     evaluation's report (None: not evaluated), `registry` the (name, version) it is registered as (None: not

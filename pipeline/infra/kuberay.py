@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig
+
+from pipeline.config.schema import PipelineConfig
 
 API_VERSION = "ray.io/v1"
 APP_DIR = "/app"  # where the images install the repository (infra/docker/*.Dockerfile)
@@ -24,13 +25,13 @@ SHARED_VOLUME = "shared"
 DRIVER_RESOURCE = "pipeline_driver"
 
 
-def resource_name(cfg: DictConfig, kind: str) -> str:
+def resource_name(cfg: PipelineConfig, kind: str) -> str:
     """Kubernetes names: lowercase letters, digits and '-'."""
     base = cfg.experiment if cfg.experiment not in ("default", None) else cfg.cluster.name
     return f"{kind}-{base}".replace("_", "-").lower()
 
 
-def _metadata(cfg: DictConfig, name: str) -> dict:
+def _metadata(cfg: PipelineConfig, name: str) -> dict:
     return {"name": name, "namespace": cfg.cluster.kubernetes.namespace,
             "labels": {"app.kubernetes.io/part-of": "speculators", "speculators/cluster": cfg.cluster.name}}
 
@@ -41,7 +42,7 @@ def _metadata(cfg: DictConfig, name: str) -> dict:
 TRAINING, SERVING = "training", "serving"
 
 
-def pod_secrets(cfg: DictConfig, workload: str, group: str) -> list[str]:
+def pod_secrets(cfg: PipelineConfig, workload: str, group: str) -> list[str]:
     """The secrets (names) a pod of `group` ("head" or "worker") in a `workload` cluster gets as its environment:
     only the ones its work reads, so a training pod never holds the serving API key and an idle head holds none."""
     k8s = cfg.cluster.kubernetes
@@ -50,7 +51,7 @@ def pod_secrets(cfg: DictConfig, workload: str, group: str) -> list[str]:
     return [] if group == "head" else [k8s.hf_secret, k8s.mlflow_secret]
 
 
-def _env(cfg: DictConfig) -> list[dict]:
+def _env(cfg: PipelineConfig) -> list[dict]:
     """Every pod: the MLflow server, a shared HF cache. Credentials come from the secrets (envFrom), not from here."""
     env = [{"name": "HF_HOME", "value": f"{cfg.cluster.kubernetes.shared_mount}/hf"},
            {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
@@ -65,13 +66,13 @@ def _container_security() -> dict:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def _pod_security(cfg: DictConfig) -> dict:
+def _pod_security(cfg: PipelineConfig) -> dict:
     k8s = cfg.cluster.kubernetes
     return {"runAsNonRoot": True, "runAsUser": int(k8s.run_as_user), "runAsGroup": int(k8s.run_as_group),
             "fsGroup": int(k8s.run_as_group), "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict], secrets: list[str]) -> dict:
+def _container(cfg: PipelineConfig, name: str, resources: dict, ports: list[dict], secrets: list[str]) -> dict:
     k8s = cfg.cluster.kubernetes
     container = {
         "name": name,
@@ -91,7 +92,7 @@ def _container(cfg: DictConfig, name: str, resources: dict, ports: list[dict], s
     return container
 
 
-def _pod_template(cfg: DictConfig, container: dict, gpu: bool) -> dict:
+def _pod_template(cfg: PipelineConfig, container: dict, gpu: bool) -> dict:
     spec: dict[str, Any] = {
         "securityContext": _pod_security(cfg),
         "containers": [container],
@@ -103,7 +104,7 @@ def _pod_template(cfg: DictConfig, container: dict, gpu: bool) -> dict:
     return {"metadata": {"labels": {"app.kubernetes.io/part-of": "speculators"}}, "spec": spec}
 
 
-def _head_group(cfg: DictConfig, workload: str) -> dict:
+def _head_group(cfg: PipelineConfig, workload: str) -> dict:
     k8s = cfg.cluster.kubernetes
     ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
              {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
@@ -115,7 +116,7 @@ def _head_group(cfg: DictConfig, workload: str) -> dict:
             "template": _pod_template(cfg, container, gpu=False)}
 
 
-def _worker_group(cfg: DictConfig, workload: str) -> dict:
+def _worker_group(cfg: PipelineConfig, workload: str) -> dict:
     cluster = cfg.cluster
     resources = {"cpu": str(cluster.cpus_per_node), "memory": cluster.kubernetes.worker_memory,
                  "nvidia.com/gpu": str(cluster.gpus_per_node)}
@@ -129,7 +130,7 @@ def _worker_group(cfg: DictConfig, workload: str) -> dict:
             "resources": {DRIVER_RESOURCE: "1"}, "template": _pod_template(cfg, container, gpu=True)}
 
 
-def ray_cluster_spec(cfg: DictConfig, workload: str = TRAINING) -> dict:
+def ray_cluster_spec(cfg: PipelineConfig, workload: str = TRAINING) -> dict:
     """The RayCluster spec of `cluster`: one head pod, `num_nodes` GPU pods on the shared volume. `workload`
     (TRAINING or SERVING) decides which secrets its pods get (pod_secrets)."""
     return {"rayVersion": cfg.cluster.kubernetes.ray_version, "enableInTreeAutoscaling": False,
@@ -138,7 +139,7 @@ def ray_cluster_spec(cfg: DictConfig, workload: str = TRAINING) -> dict:
             "headGroupSpec": _head_group(cfg, workload), "workerGroupSpecs": [_worker_group(cfg, workload)]}
 
 
-def ray_cluster(cfg: DictConfig) -> dict:
+def ray_cluster(cfg: PipelineConfig) -> dict:
     """A long-lived cluster to `ray job submit` to (port-forward its dashboard, 8265)."""
     return {"apiVersion": API_VERSION, "kind": "RayCluster",
             "metadata": _metadata(cfg, f"speculators-{cfg.cluster.name}".replace("_", "-")),
@@ -150,7 +151,7 @@ def job_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith(("cluster.kubernetes.", "cluster.launcher."))]
 
 
-def pipeline_entrypoint(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
+def pipeline_entrypoint(cfg: PipelineConfig, overrides: Sequence[str] = ()) -> str:
     """The job a RayJob runs: the whole pipeline for this experiment and the job's overrides (what `ray job
     submit` runs by hand)."""
     return " ".join([f"python {APP_DIR}/jobs/run_pipeline.py", f"experiment={cfg.experiment}",
@@ -161,7 +162,7 @@ def driver_resources() -> str:
     return json.dumps({DRIVER_RESOURCE: 1})
 
 
-def ray_job(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
+def ray_job(cfg: PipelineConfig, overrides: Sequence[str] = ()) -> dict:
     """The pipeline on a cluster of its own that KubeRay deletes five minutes after the job ends (time to read
     its logs; the outputs stay on the volume and in MLflow)."""
     return {"apiVersion": API_VERSION, "kind": "RayJob", "metadata": _metadata(cfg, resource_name(cfg, "pipeline")),
@@ -171,7 +172,7 @@ def ray_job(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
                      "rayClusterSpec": ray_cluster_spec(cfg)}}
 
 
-def ray_service(cfg: DictConfig, serve_config: dict) -> dict:
+def ray_service(cfg: PipelineConfig, serve_config: dict) -> dict:
     """The champion speculator behind the OpenAI endpoint; `serve_config` is jobs/serve.py's for this config."""
     return {"apiVersion": API_VERSION, "kind": "RayService", "metadata": _metadata(cfg, resource_name(cfg, "serve")),
             "spec": {"serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),

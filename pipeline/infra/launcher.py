@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 
-from omegaconf import DictConfig
-
+from pipeline.config.schema import LauncherConfig, PipelineConfig
 from pipeline.infra.kuberay import DRIVER_RESOURCE
 
 
-def _docker(cfg: DictConfig) -> dict:
+def _docker(cfg: PipelineConfig) -> dict:
     shared = cfg.cluster.kubernetes.shared_mount
     return {"image": cfg.cluster.kubernetes.image, "container_name": "ray_container", "pull_before_run": True,
             # The MLflow URI travels in the job's config (tracking.tracking_uri) and the Serve config, not here.
@@ -20,7 +19,7 @@ def _docker(cfg: DictConfig) -> dict:
             "worker_run_options": ["--gpus all"]}
 
 
-def _node_config(machine_type: str, launcher: DictConfig) -> dict:
+def _node_config(machine_type: str, launcher: LauncherConfig) -> dict:
     return {"machineType": machine_type,
             "disks": [{"boot": True, "autoDelete": True, "type": "PERSISTENT",
                        "initializeParams": {"diskSizeGb": int(launcher.disk_gb),
@@ -30,13 +29,13 @@ def _node_config(machine_type: str, launcher: DictConfig) -> dict:
             "scheduling": [{"onHostMaintenance": "TERMINATE"}]}
 
 
-def _shared_mount(cfg: DictConfig) -> list[str]:
+def _shared_mount(cfg: PipelineConfig) -> list[str]:
     shared, export = cfg.cluster.kubernetes.shared_mount, cfg.cluster.launcher.nfs_export
     return ["dpkg -s nfs-common >/dev/null 2>&1 || (sudo apt-get update -q && sudo apt-get install -y -q nfs-common)",
             f"sudo mkdir -p {shared}", f"mountpoint -q {shared} || sudo mount -t nfs {export} {shared}"]
 
 
-def cluster_launcher(cfg: DictConfig) -> dict:
+def cluster_launcher(cfg: PipelineConfig) -> dict:
     cluster, launcher = cfg.cluster, cfg.cluster.launcher
     worker_type = str(launcher.worker_machine_type).format(gpus=cluster.gpus_per_node)
     return {

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig
 
 from pipeline.config import compose, validate
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.infra.kuberay import ray_cluster, ray_job, ray_service
@@ -35,7 +35,7 @@ def _yaml(document: dict, source: str) -> str:
     return HEADER.format(source=source) + yaml.dump(document, Dumper=_BlockStrings, sort_keys=False, width=120)
 
 
-def jobs_serve_config(cfg: DictConfig) -> dict:
+def jobs_serve_config(cfg: PipelineConfig) -> dict:
     """What jobs/serve.py builds for this config (same function, same verifier and MLflow URI)."""
     return serve_config_for(cfg, resolve_verifier_path(cfg.verifier), tracking_uri(cfg))
 

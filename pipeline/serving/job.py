@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig
 
+from pipeline.config.schema import PipelineConfig
 from pipeline.context import Context
 from pipeline.errors import PipelineError, first_line
 from pipeline.export.stage import registered_model_name
@@ -25,11 +25,11 @@ from pipeline.serving.registry import ResolvedSpeculator, pinned_uri, served_mod
 log = logging.getLogger(__name__)
 
 
-def model_uri(cfg: DictConfig) -> str:
+def model_uri(cfg: PipelineConfig) -> str:
     return cfg.serving.model or f"models:/{registered_model_name(cfg)}@{cfg.evaluation.gate.alias}"
 
 
-def serve_config_for(cfg: DictConfig, verifier_path: str, tracking_uri: str) -> dict:
+def serve_config_for(cfg: PipelineConfig, verifier_path: str, tracking_uri: str) -> dict:
     """The Serve config of this Hydra config: what jobs/serve.py runs and what a KubeRay RayService's
     serveConfigV2 holds (jobs/render_infra.py writes it there through this same function)."""
     name = served_model_name(model_uri(cfg), registered_model_name(cfg))
@@ -131,7 +131,7 @@ def serve(ctx: Context) -> dict:
     return result
 
 
-def _check_registry_exists(cfg: DictConfig) -> None:
+def _check_registry_exists(cfg: PipelineConfig) -> None:
     """With no tracking URI configured the speculator is resolved from the local store under paths.root: when
     there is none, no pipeline has registered one here, and opening it would only create an empty store."""
     import os
@@ -167,7 +167,7 @@ def _port_in_use(host: str, port: int, host_field: str, port_field: str) -> bool
     return False
 
 
-def check_serving_inputs(cfg: DictConfig) -> None:
+def check_serving_inputs(cfg: PipelineConfig) -> None:
     """What the serve job would only find out after Ray and Serve are up (tens of seconds, then a Ray traceback):
     the API key's variable is set (build_app reads it in this process), and, on a Ray this job starts itself, the
     endpoint's and the metrics endpoint's ports are free (a cluster the job joins binds them on its own nodes).
@@ -190,7 +190,7 @@ def check_serving_inputs(cfg: DictConfig) -> None:
                             "it or pick another port")
 
 
-def run_serve(cfg: DictConfig) -> int:
+def run_serve(cfg: PipelineConfig) -> int:
     """Entry point for jobs/serve.py."""
     from pipeline.cluster import check_fits_local_ray
     from pipeline.config import validate

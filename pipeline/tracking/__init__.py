@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError, first_line
 from pipeline.tracking.local_store import seed_local_store
 
@@ -123,7 +124,7 @@ def refuse_links(path: Path) -> None:
                                 "stage wrote (the link would publish what it points at)")
 
 
-def tracking_uri_field(cfg: DictConfig) -> str:
+def tracking_uri_field(cfg: PipelineConfig) -> str:
     """Where the tracking URI comes from, to name in an error: the config field, the environment variable, or
     paths.root (the local store under it)."""
     if cfg.tracking.tracking_uri:
@@ -180,13 +181,13 @@ def check_sqlite_file(uri: str, field: str) -> None:
         raise PipelineError(f"{field}: '{uri}' names '{path}', which is {kind}, not an SQLite database file")
 
 
-def uses_named_store(cfg: DictConfig) -> bool:
+def uses_named_store(cfg: PipelineConfig) -> bool:
     """Whether the job tracks to a store the user named (tracking.tracking_uri or MLFLOW_TRACKING_URI), not the
     local one under paths.root."""
     return bool(cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
 
 
-def check_tracking_uri(cfg: DictConfig) -> None:
+def check_tracking_uri(cfg: PipelineConfig) -> None:
     """The tracking URI's own checks that create nothing (credentials in it, a server that does not answer, an
     SQLite path that is not a file), for a job to run before its slower input checks; MLflow's refusals (a file
     store, an unknown scheme, a missing driver) come when the Tracker opens the store. Raises PipelineError naming
@@ -205,7 +206,7 @@ def _root_cause(error: BaseException) -> str:
     return getattr(error, "strerror", None) or str(error) or type(error).__name__
 
 
-def tracking_uri(cfg: DictConfig) -> str:
+def tracking_uri(cfg: PipelineConfig) -> str:
     if cfg.tracking.tracking_uri:
         refuse_credentials(str(cfg.tracking.tracking_uri), "tracking.tracking_uri")
         return str(cfg.tracking.tracking_uri)
@@ -218,14 +219,14 @@ def tracking_uri(cfg: DictConfig) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
-def _artifact_location(cfg: DictConfig, uri: str) -> Optional[str]:
+def _artifact_location(cfg: PipelineConfig, uri: str) -> Optional[str]:
     # A local SQLite store keeps its artifacts beside it; a remote server decides for itself.
     if uri.startswith("sqlite:///"):
         return (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
     return None
 
 
-def flatten_config(cfg: DictConfig) -> dict[str, str]:
+def flatten_config(cfg: PipelineConfig) -> dict[str, str]:
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -256,15 +257,15 @@ def provenance_tags() -> dict[str, str]:
     return tags
 
 
-def _drafter(cfg: DictConfig) -> str:
+def _drafter(cfg: PipelineConfig) -> str:
     return f"{cfg.drafter.name} K={cfg.drafter.num_speculative_tokens}"
 
 
-def _eval_sets(cfg: DictConfig) -> str:
+def _eval_sets(cfg: PipelineConfig) -> str:
     return ", ".join(cfg.evaluation.datasets)
 
 
-def parent_run_name(cfg: DictConfig, job: str) -> str:
+def parent_run_name(cfg: PipelineConfig, job: str) -> str:
     """The parent run's name: the job, the verifier, then what the job is about -- the drafter and its training
     steps, the drafter and the eval sets for `evaluate`, the prompt set for `generate` (which no drafter uses).
     Returns e.g. 'pipeline · SmolLM2-135M-Instruct · peagle K=4 · 300 steps'; raises nothing."""
@@ -277,7 +278,7 @@ def parent_run_name(cfg: DictConfig, job: str) -> str:
     return SEPARATOR.join([job, cfg.verifier.name, *detail])
 
 
-def child_run_name(cfg: DictConfig, stage: str) -> str:
+def child_run_name(cfg: PipelineConfig, stage: str) -> str:
     """A stage's run name: the stage, then what it works on, e.g. 'train · peagle · 300 steps' or
     'evaluate · held_out · K=4'. Returns the bare stage name for a stage it does not know; raises nothing."""
     data, evaluation = cfg.data, cfg.evaluation
@@ -395,7 +396,7 @@ class Tracker:
     process that runs several, such as the tests.
     """
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: PipelineConfig):
         import mlflow
 
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

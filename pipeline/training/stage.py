@@ -78,7 +78,7 @@ def _spec(ctx: Context, manifest: dict):
     elif size:
         keep = list(verifier_stop_token_ids(ctx.verifier_path, tokenizer))  # every end of turn stays draftable
         spec.draft_token_ids = most_frequent_tokens(iter_trained_tokens(ctx.paths.store, manifest), spec.vocab_size,
-                                                    int(ctx.cfg.drafter.draft_vocab_size), keep)
+                                                    int(size), keep)
     return spec
 
 
