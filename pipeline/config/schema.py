@@ -12,7 +12,7 @@ composed YAML (``conf/<group>/<option>.yaml``, e.g. ``conf/training/cpu.yaml``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Optional, Self
 
@@ -264,11 +264,6 @@ class DrafterConfig:
     max_anchors: Optional[int] = 64
     # Prune the draft vocabulary to the N most frequent response tokens of the store (null = the full vocabulary).
     draft_vocab_size: Optional[int] = None
-
-    def decoding_options(self) -> dict[str, Any]:
-        """{name: value} of the options this drafter decodes with and never trains with (fields made by
-        decoding_setting, e.g. DSpark's confidence_threshold); {} for a drafter without any."""
-        return {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.metadata.get("decoding")}
 
     def deterministic(self) -> Self:
         """These options with nothing drawn at random in training_loss (every anchor at every depth): what the

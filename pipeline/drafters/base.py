@@ -81,7 +81,7 @@ class DrafterBase(nn.Module):
 
     def set_decoding_options(self, **options: Any) -> None:
         """Decode with the options a measurement chose: the drafter schema's decoding fields
-        (DrafterConfig.decoding_options; DSpark's confidence_threshold). A drafter without any takes none: a name it
+        (pipeline.paths.decoding_options; DSpark's confidence_threshold). A drafter without any takes none: a name it
         does not decode with raises TypeError."""
         if options:
             raise TypeError(f"{self.algorithm}: no decoding option {', '.join(sorted(options))}")

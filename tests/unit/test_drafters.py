@@ -265,7 +265,7 @@ def test_dspark_draft_uses_the_confidence_head():
 
 @pytest.mark.parametrize("name", ["eagle3", "peagle", "dflash", "dflash2", "dspark"])
 def test_a_decoding_option_a_drafter_does_not_have_is_refused_by_name(name):
-    """The decoding options a measurement passes are the drafter schema's (DrafterConfig.decoding_options); a name
+    """The decoding options a measurement passes are the drafter schema's (pipeline.paths.decoding_options); a name
     the drafter does not decode with is an error, not a setting silently ignored."""
     model = tiny_drafter(name)
     with pytest.raises(TypeError, match="no decoding option markov_threshold"):
