@@ -58,6 +58,15 @@ def losses_by_step(cfg) -> dict[int, float]:
     return losses
 
 
+def rerun_losses(cfg) -> dict[int, float]:
+    """train.loss by step as the latest train run of the experiment logged it."""
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    latest = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'train'",
+                                order_by=["attributes.start_time DESC"], max_results=1)[0]
+    return {m.step: m.value for m in client.get_metric_history(latest.info.run_id, "train.loss")}
+
+
 def resumed_from(cfg) -> list[float]:
     """Steps the train runs resumed from (logged by rank 0 when it loads a checkpoint)."""
     client = mlflow.MlflowClient(tracking_uri(cfg))
@@ -146,11 +155,16 @@ def test_a_lost_worker_is_replaced_and_a_killed_job_continues_the_same_loss_curv
     assert state["step"] == STEPS and state["world_size"] == 2
     worker_restart, rerun = resumed_from(cfg)  # both continued from a checkpoint; neither started over
     assert 3 <= worker_restart <= before_kill and worker_restart < rerun <= last_checkpoint
-    # the rerun logged the even steps after its checkpoint (step % log_every); those logged before the kill stay
-    assert all(step in losses for step in range(int(rerun) + 1, STEPS + 1) if step % 2 == 0)
-    for step in range(int(worker_restart) + 1, STEPS + 1):
-        if step in losses:
-            assert abs(losses[step] - expected[step]) <= 1e-3, (step, losses[step], expected[step])
+    for step in range(int(worker_restart) + 1, int(rerun) + 1):
+        assert abs(losses[step] - expected[step]) <= 1e-3, (step, losses[step], expected[step])
+    # the rerun logs every second step and each checkpoint's, each the mean loss of the steps since its last log
+    logged = rerun_losses(cfg)
+    assert sorted(logged) == [s for s in range(int(rerun) + 1, STEPS + 1) if s % 2 == 0 or s % 3 == 0]
+    previous = int(rerun)
+    for step in sorted(logged):
+        window = [expected[s] for s in range(previous + 1, step + 1)]
+        assert abs(logged[step] - sum(window) / len(window)) <= 1e-3, (step, logged[step], window)
+        previous = step
 
 
 @pytest.mark.slow
