@@ -505,7 +505,7 @@ def test_a_decoding_option_keys_only_the_evaluations_of_the_drafter_that_reads_i
     changed = StagePaths(compose(["drafter=dspark", "drafter.confidence_threshold=0.6"]))
     assert changed.train == base.train
     assert changed.evaluation != base.evaluation and changed.export != base.export
-    assert decoding_options(compose(["drafter=dspark"]).drafter) == {"confidence_threshold": 0.3}
+    assert decoding_options(compose(["drafter=dspark"]).drafter) == {"confidence_threshold": 0.0}
     for drafter in ("eagle3", "peagle", "dflash", "dflash2"):
         assert decoding_options(compose([f"drafter={drafter}"]).drafter) == {}
     with pytest.raises(PipelineError, match=r"^drafter\.confidence_threshold: must be in \[0, 1\]"):

@@ -18,10 +18,11 @@ class DSparkConfig(DFlashConfig):
     markov_rank: int = 256
     # Weight of the confidence head's loss (the head truncates the block at decoding time, confidence_threshold).
     confidence_loss_weight: float = 1.0
-    # Decoding sends drafts while the product of their confidences stays >= this (0 = send all K). It decodes and
-    # never trains: another value is another evaluation and export (whose config.json records it), and another
-    # training only where val.tau picks the final checkpoint (training.select_best_by=val.tau decodes with it).
-    confidence_threshold: float = decoding_setting(0.3)
+    # Decoding sends drafts while the product of their confidences stays >= this (0 = send all K). 0 by default:
+    # vLLM 0.32 serves DSpark without one (its speculators config reads no threshold), and the evaluation measures
+    # what vLLM serves. It decodes and never trains: another value is another evaluation and export (whose
+    # config.json records it), and another training only where val.tau picks the final checkpoint.
+    confidence_threshold: float = decoding_setting(0.0)
 
     def validate(self) -> None:
         """D-PACE is DFlash's: DSpark's Markov bias takes its gradient from fixed position weights."""
