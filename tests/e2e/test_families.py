@@ -30,7 +30,7 @@ SCENARIOS = {"tiny_qwen3": ("qwen3_8b_peagle", "peagle", "Qwen3ForCausalLM", "qw
 # A pruned draft vocabulary (vLLM maps drafts back through d2t): the full one is Gemma-4's 262k tokens, whose
 # teacher and student logits made each of the 6 training steps 10 s here, 3 s with 4096.
 OVERRIDES = ["scale=toy", "data.num_train=6", "data.num_eval=2", "generation.backend=hf",
-             "generation.capture_backend=vllm", "evaluation.vllm.enabled=auto", "evaluation.profile_prompts=0",
+             "generation.capture_backend=vllm", "evaluation.profile_prompts=0",
              "drafter.draft_vocab_size=4096"]
 
 

