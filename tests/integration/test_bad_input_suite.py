@@ -177,6 +177,7 @@ OVERRIDES = [
     ("serving.metrics_port=0", "serving.metrics_port: must be a TCP port"),
     ("serving.metrics_port=8000", "serving.metrics_port: 8000 is serving.port's too"),
     ("cluster.local_num_cpus=0", "cluster.local_num_cpus: must be >= 1"),
+    ("evaluation.vllm.tensor_parallel_size=2", "evaluation.vllm.tensor_parallel_size: GPUs of the job driver's node"),
     # a K no sample can train: it failed only on memory when the drafter was built
     ("drafter.num_speculative_tokens=100000", "drafter.num_speculative_tokens: 100000 must be below "
                                               "generation.max_length="),

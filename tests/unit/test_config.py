@@ -271,7 +271,8 @@ RUN_SETTINGS = ["training.log_every=3", "training.max_failures=5", "training.kee
                 "generation.max_store_gb=5", "generation.num_actors=2", "generation.cpus_per_actor=2",
                 "generation.torch_threads=1", "generation.use_gpu=true", "generation.tensor_parallel_size=2",
                 "generation.gpu_memory_utilization=0.9", "generation.kv_cache_gb=2",
-                "evaluation.gate.min_tau_gain=0.5", "evaluation.gate.alias=best"]
+                "evaluation.gate.min_tau_gain=0.5", "evaluation.gate.alias=best",
+                "evaluation.vllm.tensor_parallel_size=2"]
 
 
 @pytest.mark.parametrize("override", RUN_SETTINGS)

@@ -166,6 +166,7 @@ def test_each_experiment_composes_with_gpu_counts_that_match_its_cluster(experim
     assert cluster.num_nodes * cluster.gpus_per_node == gpus == cfg.training.num_workers
     assert cfg.generation.num_actors * cfg.generation.tensor_parallel_size <= gpus
     assert cfg.generation.tensor_parallel_size == cfg.serving.tensor_parallel_size == tensor_parallel
+    assert cfg.evaluation.vllm.tensor_parallel_size == tensor_parallel  # the cross-check loads the verifier too
     assert cfg.serving.autoscaling.max_replicas * tensor_parallel <= gpus
     assert cfg.evaluation.datasets == ["held_out", eval_set]
     assert cfg.tracking.tracking_uri == cluster.mlflow_uri
@@ -199,6 +200,7 @@ def test_render_time_overrides_reach_the_job_but_manifest_only_ones_do_not():
     ("generation.tensor_parallel_size=2", "generation.tensor_parallel_size"),
     ("serving.tensor_parallel_size=2", "serving.tensor_parallel_size"),
     ("serving.autoscaling.max_replicas=3", "serving.autoscaling.max_replicas"),
+    ("evaluation.vllm.tensor_parallel_size=2", "evaluation.vllm.tensor_parallel_size"),
 ])
 def test_gpu_counts_that_do_not_fit_the_cluster_are_refused_by_name(override, field):
     with pytest.raises(PipelineError, match=re.escape(field)):

@@ -76,3 +76,30 @@ def test_a_kv_cache_size_replaces_the_memory_fraction(counting_vllm):
         options = CountingEngine.engine_options
         memory = {key: options[key] for key in ("kv_cache_memory_bytes", "gpu_memory_utilization") if key in options}
         assert memory == expected
+
+
+def test_the_cross_checks_engine_spans_the_configured_gpus(tiny_verifier_path):
+    """evaluation.vllm.tensor_parallel_size reaches the engine (the TP-2 seed experiments' verifiers fit no single
+    A100 at the cross-check's memory share); 1 adds nothing."""
+    from pipeline.evaluation.vllm_runner import engine_options_for
+
+    args = Namespace(baseline=True, verifier=tiny_verifier_path, tensor_parallel_size=2)
+    assert engine_options_for(args) == {"tensor_parallel_size": 2}
+    assert "tensor_parallel_size" not in engine_options_for(Namespace(**{**vars(args), "tensor_parallel_size": 1}))
+
+
+def test_the_reference_decoders_gpu_memory_is_given_back_before_vllm_starts(monkeypatch):
+    """The evaluate stage loaded the whole verifier in this process: on a GPU its caching allocator keeps that
+    memory from the vLLM child until it is emptied."""
+    import torch
+
+    from pipeline.evaluation import vllm_check
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    vllm_check.release_cached_gpu_memory()
+    assert emptied == []  # nothing to give back on CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    vllm_check.release_cached_gpu_memory()
+    assert emptied == [True]
