@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 _started_locally = False
 _sigterm_received = False
+_interrupt_received = False
 
 # Ray waits a fixed 30 s for a new local node to register (ray/_private/node.py); a loaded 2-core machine can miss it.
 LOCAL_START_ATTEMPTS = 3
@@ -38,7 +39,7 @@ def ensure_ray(cluster_cfg: ClusterConfig, metrics_export_port: Optional[int] = 
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         _connect(address)
-        stop_cleanly_on_sigterm()
+        stop_cleanly_on_signals()
         return
     log.info("starting a local Ray")
     # One node that nothing drains: Ray Train's preemption watcher has nothing to watch, and creating it logs a
@@ -48,22 +49,46 @@ def ensure_ray(cluster_cfg: ClusterConfig, metrics_export_port: Optional[int] = 
     start_local(lambda: ray.init(num_cpus=cluster_cfg.local_num_cpus, include_dashboard=False, log_to_driver=True,
                                   runtime_env=ray_runtime_env(), **extra))
     _started_locally = True
-    stop_cleanly_on_sigterm()
+    stop_cleanly_on_signals()
 
 
-def stop_cleanly_on_sigterm() -> None:
-    """Make SIGTERM raise Terminated in the main thread: at a job's start, and again after ray.init, whose driver
-    leaves a fatal-signal handler on SIGTERM that prints a native stack trace and aborts (exit 134), so no stage
-    lock, MLflow run or local Ray was closed and the job printed no line saying what stopped it. Elsewhere than
-    the main thread (where Python runs signal handlers) nothing changes."""
+def stop_cleanly_on_signals() -> None:
+    """Make SIGTERM raise Terminated and SIGINT KeyboardInterrupt in the main thread, each remembered: at a job's
+    start, and again after ray.init, whose driver leaves a fatal-signal handler on SIGTERM that prints a native
+    stack trace and aborts (exit 134), so no stage lock, MLflow run or local Ray was closed and the job printed no
+    line saying what stopped it. Remembered because Python drops an exception a handler raises while the main
+    thread runs a finalizer or weakref callback (SQLAlchemy's, under MLflow): raise_if_stopped raises it again at
+    the next safe point. Elsewhere than the main thread (where Python runs signal handlers) nothing changes."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_terminated)
+        signal.signal(signal.SIGINT, _raise_interrupt)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     global _sigterm_received
     _sigterm_received = True
     raise Terminated()
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    global _interrupt_received
+    _interrupt_received = True
+    raise KeyboardInterrupt()
+
+
+def raise_if_stopped() -> None:
+    """Raise Terminated (or KeyboardInterrupt) when SIGTERM (SIGINT) reached the job, whether or not the handler's
+    own exception got through: the loops of long stages and the stage chain call it between units of work."""
+    if _sigterm_received:
+        raise Terminated()
+    if _interrupt_received:
+        raise KeyboardInterrupt()
+
+
+def forget_stop_signals() -> None:
+    """A new job in this process starts with no stop signal recorded (tests and tools run several)."""
+    global _sigterm_received, _interrupt_received
+    _sigterm_received = _interrupt_received = False
 
 
 def sigterm_received() -> bool:

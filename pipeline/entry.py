@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.cluster import shutdown_if_started_here, sigterm_received, stop_cleanly_on_sigterm
+from pipeline.cluster import shutdown_if_started_here, sigterm_received, stop_cleanly_on_signals
 from pipeline.config.schema import PathsConfig, PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.logs import setup_job_logging, to_log_files
@@ -26,7 +26,7 @@ KEPT_AND_RESUMES = "finished stages and checkpoints are kept, and the same comma
 
 def run_guarded(action: Callable[[], Any], cfg: PipelineConfig | None = None, stopped: str = KEPT_AND_RESUMES) -> int:
     """What every jobs/*.py entry point does: a clear one-line error and exit code 2 on bad input (INTERRUPTED on
-    Ctrl-C, TERMINATED on SIGTERM where stop_cleanly_on_sigterm ran, each with a line saying so), and the local Ray
+    Ctrl-C, TERMINATED on SIGTERM where stop_cleanly_on_signals ran, each with a line saying so), and the local Ray
     it started stopped either way. With the job's Hydra `cfg`, a refused job also leaves no run folder
     (remove_unused_hydra_run_folder). `stopped` ends the line of a stopped job: what it kept and how to go on."""
     try:
@@ -75,7 +75,7 @@ def run_hydra_main(main: Callable[[], Any], stopped: str = KEPT_AND_RESUMES) -> 
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     _note_absent_root(sys.argv[1:])
-    stop_cleanly_on_sigterm()  # before Ray starts too (ray.init replaces it; ensure_ray puts it back)
+    stop_cleanly_on_signals()  # before Ray starts too (ray.init replaces it; ensure_ray puts it back)
     started = time.time()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM reached the job (`ray job stop`, a pod's shutdown, `kill`): raised in the main thread and handled as
-    Ctrl-C is (cluster.stop_cleanly_on_sigterm), so locks, MLflow runs and a local Ray are closed, but reported as
+    Ctrl-C is (cluster.stop_cleanly_on_signals), so locks, MLflow runs and a local Ray are closed, but reported as
     what it was."""
 
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.cluster import check_fits_local_ray
+from pipeline.cluster import check_fits_local_ray, forget_stop_signals, raise_if_stopped
 from pipeline.config import validate
 from pipeline.config.schema import PipelineConfig
 from pipeline.context import Context
@@ -42,6 +42,7 @@ def run_stages(cfg: PipelineConfig, job: str, stages: list[str]) -> dict:
     from pipeline.drafters.build import check_configured_drafter
     from pipeline.families import check_verifier_family
 
+    forget_stop_signals()  # this job's own: one an earlier job in this process received ended that job
     validate(cfg)
     check_tracking_uri(cfg)  # at once, like the config: the verifier's checks below may convert or fetch it first
     ctx = Context.create(cfg, track=False)
@@ -74,6 +75,7 @@ def _run_under_parent_run(ctx: Context, job: str, locks: dict[str, contextlib.Ex
             for stage, lock in locks.items():
                 _run_stage(ctx, stage, results, times)
                 lock.close()
+                raise_if_stopped()  # a stop signal whose exception a finalizer swallowed mid-stage
             completed = True
         finally:
             log.info("%s", times.table(job))

@@ -42,8 +42,12 @@ def stream_batches(items: list[dict], worker_cls: type, kwargs: dict, gen_cfg: G
         num_cpus=gen_cfg.cpus_per_actor,
         num_gpus=gen_cfg.tensor_parallel_size if gen_cfg.use_gpu else 0,
     )
+    from pipeline.cluster import raise_if_stopped
+
     try:
-        yield from mapped.iter_rows()
+        for row in mapped.iter_rows():
+            raise_if_stopped()  # a stop signal whose exception a finalizer swallowed in the wait
+            yield row
     except Exception as error:  # Ray wraps the actor's exception; finished batches are already safe on disk
         raise PipelineError(f"{worker_cls.__name__}: a verifier actor failed: {remote_cause(error)}; "
                             "finished batches are kept, rerun to continue") from error

@@ -204,3 +204,54 @@ def test_runs_a_killed_job_left_running_are_ended_by_the_next_job_on_the_host(st
     job = [r for r in client.search_runs([experiment]) if r.info.run_id not in left.values()]
     assert {r.info.status for r in job} == {"FINISHED"}
     assert {(r.data.tags[PID_SPACE_TAG], r.data.tags[PID_TAG]) for r in job} == {(PID_SPACE, me)}
+
+
+class _SignalsInAFinalizer:
+    """Sends `signum` to this process from its finalizer: the handler's exception is raised inside __del__, where
+    Python prints "Exception ignored" and drops it (as one landing in SQLAlchemy's weakref callback under MLflow)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+    def __del__(self):
+        import os
+
+        os.kill(os.getpid(), self.signum)
+        time.sleep(0.05)  # the handler runs here, inside the finalizer
+
+
+@pytest.mark.parametrize("signum, stopped", [("SIGTERM", "Terminated"), ("SIGINT", "KeyboardInterrupt")])
+def test_a_stop_signal_whose_exception_a_finalizer_dropped_still_stops_the_job_after_its_stage(
+        store, monkeypatch, signum, stopped):
+    """SIGTERM (or Ctrl-C) during capture was swallowed by a finalizer and the job went on to exit 0: the handler
+    remembers the signal, and the chain stops at the next safe point (between stages; stream_batches between
+    batches), as a stopped job, its finished stage kept."""
+    import signal
+    import threading
+
+    from pipeline import cluster
+
+    def stage_that_is_signalled(ctx, results, run_id):
+        _SignalsInAFinalizer(getattr(signal, signum))  # dropped at once: the signal arrives in its __del__
+        return {}
+
+    monkeypatch.setitem(stages.STAGES, "prompts", stage_that_is_signalled)
+    monkeypatch.setitem(stages.STAGES, "train", sleeper(0.01))
+    monkeypatch.setattr(runner, "check_input_files", lambda cfg, stages, paths: None)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    assert threading.current_thread() is threading.main_thread()
+    cluster.stop_cleanly_on_signals()
+    try:
+        cfg = compose([f"paths.root={store}", f"tracking.experiment_name=times-{signum}"])
+        with pytest.raises(KeyboardInterrupt) as raised:
+            runner.run_stages(cfg, "pipeline", ["prompts", "train"])
+        assert type(raised.value).__name__ == stopped
+        assert cluster.sigterm_received() is (signum == "SIGTERM")
+        parent, children = runs(cfg)
+        assert parent.info.status == "KILLED"
+        assert [c.data.tags["stage"] for c in children] == ["prompts"]  # train never started
+        assert children[0].info.status == "FINISHED"  # the stage the signal came in finished, and is kept
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        cluster.forget_stop_signals()

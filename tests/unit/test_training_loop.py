@@ -236,14 +236,14 @@ def test_sigterm_after_ray_starts_is_a_terminated_job_not_an_abort(capsys, monke
     import os
     import signal
 
-    from pipeline.cluster import stop_cleanly_on_sigterm
+    from pipeline.cluster import stop_cleanly_on_signals
     from pipeline.entry import TERMINATED, run_guarded
     from pipeline.errors import Terminated
 
     monkeypatch.setattr("pipeline.cluster._sigterm_received", False)  # the handler sets it: put back after
     before = signal.getsignal(signal.SIGTERM)
     try:
-        stop_cleanly_on_sigterm()
+        stop_cleanly_on_signals()
         with pytest.raises(Terminated):
             os.kill(os.getpid(), signal.SIGTERM)
             signal.sigtimedwait([], 0)  # lets Python run the handler here
