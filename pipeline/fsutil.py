@@ -133,17 +133,31 @@ def output_file_problem(path: Path | str, flag: str = "--out") -> str | None:
     folder, a folder above it is a file, or the nearest folder above it that exists takes no new file (a probe
     file is made there and removed at once: permissions, a read-only or virtual file system). Checked before the
     run, so a mistyped --out is one line at once rather than a traceback after the work."""
-    import tempfile
-
     path = Path(path)
     if path.is_dir():
         return f"{flag} {path}: is a folder; give the JSON file to write"
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         return f"{flag} {path}: a folder above it is a file"
-    nearest = next(parent for parent in path.absolute().parents if parent.exists())
+    return _write_probe_problem(path.absolute().parents, f"{flag} {path}")
+
+
+def output_folder_problem(path: Path | str, field: str) -> str | None:
+    """Why a folder a stage makes and writes into cannot be (None when it can): the nearest of it and the folders
+    above it that exists takes no new file (a probe file is made there and removed at once: permissions, a
+    read-only or virtual file system such as /proc). For the folders validate cannot probe (it also runs where the
+    manifests for a cluster are rendered): checked by the job on its own machine before any stage."""
+    path = Path(path).absolute()
+    return _write_probe_problem([path, *path.parents], f"{field}: '{path}'")
+
+
+def _write_probe_problem(candidates, named: str) -> str | None:
+    """`named` and why the first existing folder of `candidates` takes no new file, or None when it takes one."""
+    import tempfile
+
+    nearest = next(folder for folder in candidates if folder.exists())
     try:
         with tempfile.NamedTemporaryFile(dir=nearest, prefix=".write-probe-"):
             pass
     except OSError as error:
-        return f"{flag} {path}: cannot write in {nearest} ({error.strerror or error})"
+        return f"{named}: cannot write in {nearest} ({error.strerror or error})"
     return None

@@ -8,14 +8,18 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.cluster import check_fits_local_ray, forget_stop_signals, raise_if_stopped
 from pipeline.config import validate
 from pipeline.config.schema import PipelineConfig
+from pipeline.config.validate import OUTPUT_FOLDERS
 from pipeline.context import Context
 from pipeline.data.stage import prompts_saved
 from pipeline.errors import PipelineError
+from pipeline.fsutil import output_folder_problem
 from pipeline.locks import stage_lock
 from pipeline.logs import quieted
 from pipeline.paths import StagePaths
@@ -45,6 +49,7 @@ def run_stages(cfg: PipelineConfig, job: str, stages: list[str]) -> dict:
     forget_stop_signals()  # this job's own: one an earlier job in this process received ended that job
     validate(cfg)
     check_tracking_uri(cfg)  # at once, like the config: the verifier's checks below may convert or fetch it first
+    check_output_folders(cfg)  # before the verifier is converted or built into verifier.cache_dir
     ctx = Context.create(cfg, track=False)
     check_verifier_family(ctx.verifier_path)
     check_configured_drafter(cfg.drafter, ctx.verifier_path)
@@ -81,6 +86,18 @@ def _run_under_parent_run(ctx: Context, job: str, locks: dict[str, contextlib.Ex
             log.info("%s", times.table(job))
             _log_times(ctx, {TOTAL_METRIC: times.total}, strict=completed)
     return results
+
+
+def check_output_folders(cfg: PipelineConfig) -> None:
+    """Every folder the stages write on this machine (OUTPUT_FOLDERS less a remote storage_path) takes a
+    file, before any stage: an unwritable cluster.storage_path failed in Ray Train's controller with a traceback.
+    Raises PipelineError naming the field."""
+    for field in OUTPUT_FOLDERS:
+        value = str(OmegaConf.select(cast(DictConfig, cfg), field))  # the composed DictConfig it is
+        if "://" not in value:  # s3://, gs://: Ray Train writes it, not this machine
+            problem = output_folder_problem(Path(value).expanduser(), field)
+            if problem:
+                raise PipelineError(problem)
 
 
 def check_input_files(cfg: PipelineConfig, stages: list[str], paths: StagePaths) -> None:

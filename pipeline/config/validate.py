@@ -158,6 +158,7 @@ def validate(config: schema_module.PipelineConfig | DictConfig) -> None:
     _require(cfg.training.max_tokens_per_micro_batch >= 0,
              "training.max_tokens_per_micro_batch: must be >= 0 (0 = no packing)")
     _require(cfg.training.prefetch_micro_batches >= 1, "training.prefetch_micro_batches: must be >= 1")
+    _require(cfg.training.max_failures >= -1, "training.max_failures: must be >= 0, or -1 for no limit")
     _require(cfg.training.torch_threads_per_worker >= 1, "training.torch_threads_per_worker: must be >= 1")
     _require(cfg.deepspeed.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage: must be 0, 1, 2 or 3")
     _require(not cfg.deepspeed.offload_params or cfg.deepspeed.zero_stage == 3,

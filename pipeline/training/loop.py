@@ -5,6 +5,7 @@ or torch) is pipeline/training/engine.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import time
@@ -28,7 +29,7 @@ from pipeline.training.engine import Engine
 from pipeline.training.feed import plan_row, stream_micro_batches, with_loss_positions
 from pipeline.training.order import GlobalOrder
 from pipeline.training.precision import resolve_autocast
-from pipeline.training.resume import micro_batch_for, needs_universal, read_resume_point
+from pipeline.training.resume import is_complete_checkpoint, micro_batch_for, needs_universal, read_resume_point
 from pipeline.training.validation import split_validation, validate, validation_share
 from pipeline.training.worker_config import ValTauSettings, WorkerConfig
 
@@ -196,14 +197,33 @@ class ValTau:
 
 
 def _checkpoint_folder(config: WorkerConfig):
-    """This run's latest checkpoint (Ray Train hands it to restarted workers after a failure), else the one the
-    driver chose (`resume_from`: the config's own latest on a rerun, or training.resume_from), else none."""
+    """The checkpoint to resume from: the one the driver chose (`resume_from`: the config's own latest complete one
+    on a rerun, or training.resume_from), unless Ray Train hands a later complete one (its latest registered, to
+    workers it restarted after a failure). A context manager giving a folder, or None to start at step 0."""
     import ray.train
 
+    chosen = Path(config.resume_from) if config.resume_from else None
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        return checkpoint.as_directory()
-    return contextlib.nullcontext(Path(config.resume_from) if config.resume_from else None)
+    if checkpoint is None:
+        return contextlib.nullcontext(chosen)
+    return _later_complete(checkpoint, chosen)
+
+
+@contextlib.contextmanager
+def _later_complete(checkpoint, chosen: Path | None):
+    """Ray's checkpoint, or `chosen` where Ray's is older or incomplete: a rerun restores Ray's snapshot of the
+    earlier job, whose latest registered checkpoint lags the newest on disk (a checkpoint is registered only once
+    the next one is reported) and may be one a crash truncated, which every worker would fail on for ever."""
+    with checkpoint.as_directory() as folder:
+        given = Path(folder)
+        if not is_complete_checkpoint(given) or (chosen is not None and _step(given) < _step(chosen)):
+            yield chosen
+        else:
+            yield given
+
+
+def _step(folder: Path) -> int:
+    return int(json.loads((folder / STATE_FILE).read_text())["step"])
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -143,7 +143,7 @@ def _half(split: dict[str, list[str]], name: str) -> str:
     return "Muon" if name in split["muon"] else "AdamW" if name in split["adamw"] else "not trained"
 
 
-def _is_complete(folder: Path) -> bool:
+def is_complete_checkpoint(folder: Path) -> bool:
     """Every file a resume reads is there, whole (a run killed while Ray gathered the ranks' files leaves a partial
     one; a crash can truncate a file): the integrity records of every rank hold."""
     if not is_intact(folder):
@@ -164,7 +164,7 @@ def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
     """The checkpoint of the highest step under a Ray Train run folder that a resume can read, if any."""
     best, best_step = None, -1
     for folder in run_dir.glob("checkpoint_*") if run_dir.is_dir() else []:
-        if _is_complete(folder):
+        if is_complete_checkpoint(folder):
             step = int(read_json(folder / STATE_FILE, "train")["step"])
             if step > best_step:
                 best, best_step = folder, step

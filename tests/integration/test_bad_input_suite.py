@@ -144,6 +144,7 @@ OVERRIDES = [
     ("training.grad_accum_steps=0", "training.grad_accum_steps: must be >= 1"),
     ("training.warmup_steps=-1", "training.warmup_steps: must be >= 0"),
     ("training.grad_clip=-1", "training.grad_clip: must be >= 0"),
+    ("training.max_failures=-5", "training.max_failures: must be >= 0, or -1 for no limit"),
     ("evaluation.gate.alias=latest", "evaluation.gate.alias: 'latest' alias name (case insensitive) is reserved"),
     ("evaluation.gate.alias=LATEST", "evaluation.gate.alias: 'latest' alias name (case insensitive) is reserved"),
     ("evaluation.gate.alias=v3", "evaluation.gate.alias: Version alias name 'v3' is reserved"),
@@ -178,6 +179,9 @@ OVERRIDES = [
     ("serving.metrics_port=8000", "serving.metrics_port: 8000 is serving.port's too"),
     ("cluster.local_num_cpus=0", "cluster.local_num_cpus: must be >= 1"),
     ("evaluation.vllm.tensor_parallel_size=2", "evaluation.vllm.tensor_parallel_size: GPUs of the job driver's node"),
+    # a folder no file can be made in (a virtual file system here): Ray Train's controller failed with a traceback
+    ("cluster.storage_path=/proc/no-such-storage", "cluster.storage_path: '/proc/no-such-storage': cannot write in"),
+    ("paths.cache=/proc/no-such-cache", "paths.cache: '/proc/no-such-cache': cannot write in /proc"),
     # a K no sample can train: it failed only on memory when the drafter was built
     ("drafter.num_speculative_tokens=100000", "drafter.num_speculative_tokens: 100000 must be below "
                                               "generation.max_length="),

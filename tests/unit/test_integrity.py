@@ -162,3 +162,34 @@ def test_what_the_pipeline_publishes_has_the_modes_the_umask_gives_not_tempfiles
                        (tmp_path / "export" / "sub", FOLDER_MODE),
                        (tmp_path / "part.parquet", FILE_MODE)]:
         assert path.stat().st_mode & 0o777 == mode, path
+
+
+class _RayCheckpoint:
+    """What ray.train.get_checkpoint() gives a worker: a folder through as_directory()."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def as_directory(self):
+        import contextlib
+
+        return contextlib.nullcontext(str(self.folder))
+
+
+def test_a_worker_resumes_from_the_later_complete_of_rays_checkpoint_and_the_drivers_choice(tmp_path):
+    """A rerun restores Ray Train's snapshot of the earlier job: its latest registered checkpoint lags the newest one
+    on disk (the driver's choice; steps were trained twice and the log named another checkpoint), or is one a crash
+    truncated (every worker failed on it, rerun after rerun). Restarted workers within a job get Ray's later one."""
+    from pipeline.training.loop import _later_complete
+
+    run = tmp_path / "run"
+    older, newer = checkpoint(run / "checkpoint_a", step=3), checkpoint(run / "checkpoint_b", step=6)
+    with _later_complete(_RayCheckpoint(older), newer) as folder:
+        assert folder == newer  # Ray's snapshot lags: the driver's newer one
+    with _later_complete(_RayCheckpoint(newer), older) as folder:
+        assert Path(folder) == newer  # a worker restarted within the job: Ray's later one
+    with _later_complete(_RayCheckpoint(newer), None) as folder:
+        assert Path(folder) == newer
+    os.truncate(newer / WEIGHTS_FILE, 10)
+    with _later_complete(_RayCheckpoint(newer), older) as folder:
+        assert folder == older  # Ray's is truncated: passed over, its steps trained again
