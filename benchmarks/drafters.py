@@ -38,8 +38,9 @@ def harness(args) -> dict:
     started = time.time()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     subprocess.run(command, cwd=REPO, env=env, check=True)
-    # DSpark once more without truncation: what its confidence cut costs in tau and saves in drafts sent.
-    subprocess.run([sys.executable, "jobs/evaluate.py", "drafter=dspark", "drafter.confidence_threshold=0.0",
+    # DSpark once more with the confidence cut (the default sends every draft, as vLLM serves it): what the cut
+    # costs in tau and saves in drafts sent.
+    subprocess.run([sys.executable, "jobs/evaluate.py", "drafter=dspark", "drafter.confidence_threshold=0.3",
                     *overrides], cwd=REPO, env=env, check=True)
     results = {"command": " ".join(command[1:]), "seconds": round(time.time() - started, 1), "K": K,
                "training_steps": args.steps, "drafters": {}}

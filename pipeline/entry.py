@@ -10,11 +10,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.cluster import shutdown_if_started_here, sigterm_received, stop_cleanly_on_signals
+from pipeline.cluster import (
+    forget_stop_signals,
+    shutdown_if_started_here,
+    sigterm_received,
+    stop_cleanly_on_signals,
+)
 from pipeline.config.schema import PathsConfig, PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.logs import setup_job_logging, to_log_files
-from pipeline.runner import JOB_STAGES, run_stages
 
 INTERRUPTED = 130  # the shell's exit status for a process ended by SIGINT
 TERMINATED = 143  # and by SIGTERM
@@ -75,6 +79,7 @@ def run_hydra_main(main: Callable[[], Any], stopped: str = KEPT_AND_RESUMES) -> 
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     _note_absent_root(sys.argv[1:])
+    forget_stop_signals()  # this process's job starts here: a signal from now on is its own
     stop_cleanly_on_signals()  # before Ray starts too (ray.init replaces it; ensure_ray puts it back)
     started = time.time()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -194,6 +199,8 @@ def _raised_making_hydras_run_folder(error: OSError) -> bool:
 
 def run_job(cfg: PipelineConfig, job: str) -> int:
     """Run a job's stages (the config's `stages` for `pipeline`) with run_guarded. Returns the exit code."""
+    from pipeline.runner import JOB_STAGES, run_stages  # the stages' imports (torch, datasets): not for serve
+
     setup_job_logging()
     stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
     return run_guarded(lambda: run_stages(cfg, job, stages), cfg)

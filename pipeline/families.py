@@ -175,11 +175,12 @@ def text_decoder(model: Any) -> Any:
     return model.get_decoder()
 
 
-def vllm_engine_options(verifier_path: str) -> dict[str, Any]:
+def vllm_engine_options(verifier_path: str, cached_only: bool = False) -> dict[str, Any]:
     """vLLM engine arguments a verifier needs: a multimodal one runs as its text model only (no vision tower in
     memory, no image processor, no image profiling), through its family's text-only class where vLLM has one.
-    Returns {} for a text-only verifier."""
-    config = verifier_config_dict(verifier_path)
+    Returns {} for a text-only verifier (and, with cached_only, for a hub id whose config is not in the local
+    cache: nothing is fetched)."""
+    config = verifier_config_dict(verifier_path, cached_only)
     if not is_multimodal(config):
         return {}
     text_architecture = family_of(text_config_dict(config).get("model_type", "")).vllm_text_architecture
@@ -188,18 +189,33 @@ def vllm_engine_options(verifier_path: str) -> dict[str, Any]:
     return {"language_model_only": True}
 
 
-def verifier_config_dict(verifier_path: str) -> dict[str, Any]:
-    """config.json of a verifier folder, or for a hub id the config transformers resolves; {} when neither can be
-    read (vLLM then reports the missing model itself, in its own words)."""
+def verifier_config_dict(verifier_path: str, cached_only: bool = False) -> dict[str, Any]:
+    """config.json of a verifier folder, or for a hub id the config transformers resolves (cached_only: only one
+    already in the hub's local cache, without a request); {} when neither can be read (vLLM then reports the
+    missing model itself, in its own words)."""
     config_file = Path(verifier_path) / "config.json"
     if config_file.is_file():
         return read_json(config_file, "verifier.path")
+    if cached_only:
+        return _cached_hub_config(verifier_path)
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(verifier_path).to_dict()
     except (OSError, ValueError):
         return {}
+
+
+def _cached_hub_config(repo_id: str) -> dict[str, Any]:
+    """A hub model's config.json from the local hub cache, {} when it is not there or `repo_id` is no hub id."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except HFValidationError:
+        return {}
+    return read_json(Path(cached), "verifier.path") if isinstance(cached, str) else {}
 
 
 def logit_softcap(config: Any) -> Optional[float]:

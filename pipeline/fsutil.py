@@ -141,6 +141,12 @@ def output_file_problem(path: Path | str, flag: str = "--out") -> str | None:
     return _write_probe_problem(path.absolute().parents, f"{flag} {path}")
 
 
+def is_remote(location: str) -> bool:
+    """Whether a configured location is a URI another system writes (s3://, gs://: Ray Train's storage), not a path
+    on this machine."""
+    return "://" in location
+
+
 def output_folder_problem(path: Path | str, field: str) -> str | None:
     """Why a folder a stage makes and writes into cannot be (None when it can): the nearest of it and the folders
     above it that exists takes no new file (a probe file is made there and removed at once: permissions, a

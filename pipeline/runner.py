@@ -12,14 +12,13 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.cluster import check_fits_local_ray, forget_stop_signals, raise_if_stopped
+from pipeline.cluster import check_fits_local_ray, raise_if_stopped
 from pipeline.config import validate
 from pipeline.config.schema import PipelineConfig
-from pipeline.config.validate import OUTPUT_FOLDERS
 from pipeline.context import Context
 from pipeline.data.stage import prompts_saved
 from pipeline.errors import PipelineError
-from pipeline.fsutil import output_folder_problem
+from pipeline.fsutil import is_remote, output_folder_problem
 from pipeline.locks import stage_lock
 from pipeline.logs import quieted
 from pipeline.paths import StagePaths
@@ -46,7 +45,6 @@ def run_stages(cfg: PipelineConfig, job: str, stages: list[str]) -> dict:
     from pipeline.drafters.build import check_configured_drafter
     from pipeline.families import check_verifier_family
 
-    forget_stop_signals()  # this job's own: one an earlier job in this process received ended that job
     validate(cfg)
     check_tracking_uri(cfg)  # at once, like the config: the verifier's checks below may convert or fetch it first
     check_output_folders(cfg)  # before the verifier is converted or built into verifier.cache_dir
@@ -89,12 +87,16 @@ def _run_under_parent_run(ctx: Context, job: str, locks: dict[str, contextlib.Ex
 
 
 def check_output_folders(cfg: PipelineConfig) -> None:
-    """Every folder the stages write on this machine (OUTPUT_FOLDERS less a remote storage_path) takes a
-    file, before any stage: an unwritable cluster.storage_path failed in Ray Train's controller with a traceback.
-    Raises PipelineError naming the field."""
-    for field in OUTPUT_FOLDERS:
+    """The folders this job writes on this machine take a file, before any stage: paths.root, a local
+    cluster.storage_path (an unwritable one failed in Ray Train's controller with a traceback) and
+    verifier.cache_dir where a verifier is converted or built there. paths.cache alone is only a cache the local
+    MLflow store may be seeded from. Raises PipelineError naming the field."""
+    fields = ["paths.root", "cluster.storage_path"]
+    if cfg.verifier.gguf_package or cfg.verifier.tiny:
+        fields.append("verifier.cache_dir")
+    for field in fields:
         value = str(OmegaConf.select(cast(DictConfig, cfg), field))  # the composed DictConfig it is
-        if "://" not in value:  # s3://, gs://: Ray Train writes it, not this machine
+        if not is_remote(value):  # s3://, gs://: Ray Train writes it, not this machine
             problem = output_folder_problem(Path(value).expanduser(), field)
             if problem:
                 raise PipelineError(problem)
@@ -184,6 +186,7 @@ def _run_stage(ctx: Context, stage: str, results: dict, times: StageTimes) -> No
     start = time.perf_counter()
     try:
         with ctx.tracking(stage).child_run(stage) as run_id:
+            raise_if_stopped()  # one dropped while MLflow opened the runs (SQLAlchemy's finalizers)
             results[stage] = STAGES[stage](ctx, results, run_id)
     except BaseException:
         seconds = times.add(stage, time.perf_counter() - start, failed=True)

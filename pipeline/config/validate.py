@@ -17,6 +17,7 @@ from pipeline.data.synthesize import WRITTEN_BY_THE_VERIFIER, check_synthetic_co
 from pipeline.errors import PipelineError, first_line
 from pipeline.errors import require as _require
 from pipeline.families import TINY_FAMILIES
+from pipeline.fsutil import is_remote
 from pipeline.generation.regenerate import MIN_RESPONSE_ROOM
 
 
@@ -215,7 +216,7 @@ def _validate_output_paths(cfg: DictConfig) -> None:
     _require(str(cfg.paths.root).strip() != "", "paths.root: must name a folder (it is empty)")
     for field in (*OUTPUT_FOLDERS, *OUTPUT_FILES):
         value = str(OmegaConf.select(cfg, field))
-        if "://" in value:  # a remote storage_path (s3://, gs://): Ray Train writes it, not this machine
+        if is_remote(value):  # a remote storage_path (s3://, gs://): Ray Train writes it, not this machine
             continue
         path = Path(value).expanduser()
         if field in OUTPUT_FOLDERS:

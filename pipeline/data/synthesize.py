@@ -17,6 +17,7 @@ in a folder keyed by the verifier and every setting: a rerun after a crash gener
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -208,8 +209,10 @@ def verifier_prompts(synth_cfg: SyntheticConfig, writer: PromptWriter) -> list[d
     from pipeline.cluster import ensure_ray, get_remote
     from pipeline.paths import content_key
 
-    # a composed group, a SyntheticConfig or a plain dict alike
-    settings = dict(cast(dict, OmegaConf.to_container(OmegaConf.structured(synth_cfg), resolve=True)))
+    # a composed group (resolved in its own config: an interpolation may point anywhere in it), a SyntheticConfig
+    # or a plain dict
+    settings = dict(cast(dict, OmegaConf.to_container(synth_cfg, resolve=True)) if OmegaConf.is_config(synth_cfg)
+                    else dataclasses.asdict(synth_cfg) if dataclasses.is_dataclass(synth_cfg) else synth_cfg)
     settings["system_prompts"] = {d: settings["system_prompts"][d] for d in settings["domains"]}  # only those used
     folder = writer.cache_root / content_key(settings, writer.identity, writer.compute_dtype)
     ensure_ray(writer.cluster)

@@ -111,8 +111,9 @@ def serve_commands(export_config: dict, export_dir: str, num_speculative_tokens:
     verifier = export_config["speculators_config"]["verifier"]["name_or_path"]
     speculative = {"model": export_dir, "num_speculative_tokens": num_speculative_tokens,
                    **speculative_method(export_config["speculators_model_type"])}
-    # what the pipeline's own engines add for this verifier (a multimodal one runs as its text model)
-    family_flags = "".join(f" {flag}" for flag in _cli_flags(vllm_engine_options(verifier)))
+    # what the pipeline's own engines add for this verifier (a multimodal one runs as its text model); a card is
+    # written offline, so a hub verifier is read from the local cache only
+    family_flags = "".join(f" {flag}" for flag in _cli_flags(vllm_engine_options(verifier, cached_only=True)))
     commands = [f"vllm serve {shlex.quote(verifier)}{family_flags} "
                 f"--speculative-config {shlex.quote(json.dumps(speculative))}"]
     if registry:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
+from pipeline.cluster import raise_if_stopped
 from pipeline.config.schema import PipelineConfig
 from pipeline.context import Context
 from pipeline.errors import PipelineError, first_line
@@ -123,6 +124,7 @@ def serve(ctx: Context) -> dict:
         return result
     try:
         while True:
+            raise_if_stopped()  # a SIGTERM whose exception a finalizer dropped (MLflow's, in the reporting below)
             time.sleep(ctx.cfg.serving.metrics_interval_s or 3600)
             if resolved and ctx.cfg.serving.metrics_interval_s:
                 report_served_tau(ctx.tracking("serve").client, resolved, served_name(config), metrics_url)

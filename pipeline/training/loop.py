@@ -5,7 +5,6 @@ or torch) is pipeline/training/engine.py."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -29,7 +28,13 @@ from pipeline.training.engine import Engine
 from pipeline.training.feed import plan_row, stream_micro_batches, with_loss_positions
 from pipeline.training.order import GlobalOrder
 from pipeline.training.precision import resolve_autocast
-from pipeline.training.resume import is_complete_checkpoint, micro_batch_for, needs_universal, read_resume_point
+from pipeline.training.resume import (
+    checkpoint_step,
+    is_complete_checkpoint,
+    micro_batch_for,
+    needs_universal,
+    read_resume_point,
+)
 from pipeline.training.validation import split_validation, validate, validation_share
 from pipeline.training.worker_config import ValTauSettings, WorkerConfig
 
@@ -216,14 +221,10 @@ def _later_complete(checkpoint, chosen: Path | None):
     the next one is reported) and may be one a crash truncated, which every worker would fail on for ever."""
     with checkpoint.as_directory() as folder:
         given = Path(folder)
-        if not is_complete_checkpoint(given) or (chosen is not None and _step(given) < _step(chosen)):
-            yield chosen
+        if chosen is not None and checkpoint_step(given, default=-1) <= checkpoint_step(chosen):
+            yield chosen  # the driver checked it already; no rank hashes the folder again
         else:
-            yield given
-
-
-def _step(folder: Path) -> int:
-    return int(json.loads((folder / STATE_FILE).read_text())["step"])
+            yield given if is_complete_checkpoint(given) else chosen
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -160,12 +160,23 @@ def is_complete_checkpoint(folder: Path) -> bool:
     return len(ranks) == int(state["world_size"])
 
 
+def checkpoint_step(folder: Path, default: Optional[int] = None) -> int:
+    """The step a checkpoint folder was saved at (its train_state.json). `default` for one whose state cannot be
+    read; without a default that raises PipelineError naming the file."""
+    try:
+        return int(read_json(folder / STATE_FILE, "train")["step"])
+    except (PipelineError, KeyError, TypeError, ValueError):
+        if default is None:
+            raise PipelineError(f"train: '{folder / STATE_FILE}' holds no step") from None
+        return default
+
+
 def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
     """The checkpoint of the highest step under a Ray Train run folder that a resume can read, if any."""
     best, best_step = None, -1
     for folder in run_dir.glob("checkpoint_*") if run_dir.is_dir() else []:
         if is_complete_checkpoint(folder):
-            step = int(read_json(folder / STATE_FILE, "train")["step"])
+            step = checkpoint_step(folder)
             if step > best_step:
                 best, best_step = folder, step
     return best

@@ -181,7 +181,8 @@ OVERRIDES = [
     ("evaluation.vllm.tensor_parallel_size=2", "evaluation.vllm.tensor_parallel_size: GPUs of the job driver's node"),
     # a folder no file can be made in (a virtual file system here): Ray Train's controller failed with a traceback
     ("cluster.storage_path=/proc/no-such-storage", "cluster.storage_path: '/proc/no-such-storage': cannot write in"),
-    ("paths.cache=/proc/no-such-cache", "paths.cache: '/proc/no-such-cache': cannot write in /proc"),
+    # the default verifier is converted from its GGUF into verifier.cache_dir (${paths.cache}/verifiers)
+    ("paths.cache=/proc/no-such-cache", "verifier.cache_dir: '/proc/no-such-cache/verifiers': cannot write in /proc"),
     # a K no sample can train: it failed only on memory when the drafter was built
     ("drafter.num_speculative_tokens=100000", "drafter.num_speculative_tokens: 100000 must be below "
                                               "generation.max_length="),

@@ -192,3 +192,31 @@ def test_skips_that_differ_only_in_their_counts_are_one_warning_with_the_range()
         "the answer to turn 3 does not fit in generation.max_length=4096": 1,
         "the answer to turn 3 does not fit in generation.max_length=8192": 1,
         "no assistant turn to train on (generation.responses=keep)": 4}
+
+
+def test_a_stop_signal_a_finalizer_dropped_while_batches_streamed_stops_the_stage_at_the_next_batch(monkeypatch):
+    """SIGTERM during capture landed in a finalizer, was dropped, and every batch was captured before the job exited
+    0: the recorded signal stops the stream before it hands on another batch."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from pipeline import cluster
+    from pipeline.errors import Terminated
+    from pipeline.generation.common import stream_batches
+
+    class Mapped:
+        def iter_rows(self):
+            yield {"batch": 1}
+            monkeypatch.setattr(cluster, "_sigterm_received", True)  # the handler ran; its exception was dropped
+            yield {"batch": 2}
+            yield {"batch": 3}
+
+    monkeypatch.setattr(ray.data, "from_items",
+                        lambda items, **kwargs: SimpleNamespace(map_batches=lambda *a, **k: Mapped()))
+    gen = SimpleNamespace(num_actors=1, cpus_per_actor=1, tensor_parallel_size=1, use_gpu=False)
+    handed_on = []
+    with pytest.raises(Terminated):
+        for row in stream_batches([{}], object, {}, gen):
+            handed_on.append(row)
+    assert handed_on == [{"batch": 1}]

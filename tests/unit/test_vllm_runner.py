@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from argparse import Namespace
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -103,3 +104,29 @@ def test_the_reference_decoders_gpu_memory_is_given_back_before_vllm_starts(monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     vllm_check.release_cached_gpu_memory()
     assert emptied == [True]
+
+
+def test_the_vllm_cross_check_starts_its_engine_after_giving_back_gpu_memory_and_on_the_configured_gpus(
+        monkeypatch, tmp_path, tiny_verifier_path):
+    """The child vLLM process starts only once the driver's cached GPU memory is released, with the configured
+    tensor-parallel size."""
+    import json
+
+    from pipeline.config import compose
+    from pipeline.context import Context
+    from pipeline.evaluation import vllm_check
+
+    events = []
+    monkeypatch.setattr(vllm_check, "release_cached_gpu_memory", lambda: events.append("released"))
+
+    def child(command, **kwargs):
+        events.append(command[command.index("--tensor-parallel-size") + 1])
+        Path(command[command.index("--out") + 1]).write_text(json.dumps({"speculative": {}}))
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(vllm_check.subprocess, "run", child)
+    cfg = compose([f"paths.root={tmp_path}", f"verifier.path={tiny_verifier_path}",
+                   "evaluation.vllm.tensor_parallel_size=2"])
+    vllm_check._run_vllm(Context.create(cfg, track=False), tmp_path, [{"prompt_ids": [1, 2]}],
+                         {"num_speculative_tokens": 2})
+    assert events == ["released", "2"]
