@@ -201,18 +201,24 @@ def check_synthetic_config(synth_cfg: SyntheticConfig, field_name: str) -> None:
         raise PipelineError(f"{field_name}.top_p: must be in (0, 1] to sample prompts, got {synth_cfg.top_p}")
 
 
+def synthetic_settings(synth_cfg: SyntheticConfig) -> dict[str, Any]:
+    """The settings as plain values: a composed group resolved inside its own config (an interpolation may point
+    anywhere in it, `${data.shuffle_seed}`), a SyntheticConfig or a plain dict as they are."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(synth_cfg):
+        return dict(cast(dict, OmegaConf.to_container(synth_cfg, resolve=True)))
+    return dataclasses.asdict(synth_cfg) if dataclasses.is_dataclass(synth_cfg) else dict(cast(dict, synth_cfg))
+
+
 def verifier_prompts(synth_cfg: SyntheticConfig, writer: PromptWriter) -> list[dict[str, str]]:
     """[{domain, prompt}] written by the verifier for synth_cfg (SyntheticConfig), sampled in a Ray task the first
     time and kept under writer.cache_root in a folder keyed by the verifier and every setting."""
-    from omegaconf import OmegaConf
 
     from pipeline.cluster import ensure_ray, get_remote
     from pipeline.paths import content_key
 
-    # a composed group (resolved in its own config: an interpolation may point anywhere in it), a SyntheticConfig
-    # or a plain dict
-    settings = dict(cast(dict, OmegaConf.to_container(synth_cfg, resolve=True)) if OmegaConf.is_config(synth_cfg)
-                    else dataclasses.asdict(synth_cfg) if dataclasses.is_dataclass(synth_cfg) else synth_cfg)
+    settings = synthetic_settings(synth_cfg)
     settings["system_prompts"] = {d: settings["system_prompts"][d] for d in settings["domains"]}  # only those used
     folder = writer.cache_root / content_key(settings, writer.identity, writer.compute_dtype)
     ensure_ray(writer.cluster)

@@ -132,3 +132,17 @@ def test_nothing_usable_is_one_clear_error(tmp_path, tokenizer):
     with pytest.raises(PipelineError, match="data.synthetic: none of the 4 sampled user turns"):
         synthesize(tmp_path, tokenizer, silent, {"code": "x"}, per_domain=4, batch_size=4, max_new_tokens=8,
                    seed=0, stop_ids={tokenizer.eos_token_id})
+
+
+def test_the_settings_of_a_composed_group_resolve_interpolations_to_the_whole_config():
+    """A copy of the group alone lost `${data.shuffle_seed}` (InterpolationKeyError in the prompts stage, after
+    validate had passed the config)."""
+    from pipeline.config import compose, validate
+    from pipeline.config.schema import SyntheticConfig
+    from pipeline.data.synthesize import synthetic_settings
+
+    cfg = compose(["data=general", "data.shuffle_seed=7", "data.synthetic.seed=${data.shuffle_seed}"])
+    validate(cfg)
+    assert synthetic_settings(cfg.data.synthetic)["seed"] == 7
+    assert synthetic_settings(SyntheticConfig(seed=3))["seed"] == 3
+    assert synthetic_settings({"seed": 4}) == {"seed": 4}
