@@ -202,7 +202,7 @@ def run_job(cfg: PipelineConfig, job: str) -> int:
     from pipeline.runner import JOB_STAGES, run_stages  # the stages' imports (torch, datasets): not for serve
 
     setup_job_logging()
-    stages = list(cfg.stages) if job == "pipeline" else JOB_STAGES[job]
+    stages = [str(stage) for stage in cfg.stages] if job == "pipeline" else JOB_STAGES[job]
     return run_guarded(lambda: run_stages(cfg, job, stages), cfg)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline.config.schema import TinyFamily
 from pipeline.errors import PipelineError, first_line, read_json
 
 
@@ -53,7 +54,7 @@ class VerifierFamily:
 
 
 # Families a tiny random verifier can be built of offline (verifier.tiny, pipeline/generation/tiny_verifier.py).
-TINY_FAMILIES = ("qwen3", "qwen3_moe", "gemma4")
+TINY_FAMILIES = tuple(family.value for family in TinyFamily)
 
 FAMILIES = {family.model_type: family for family in (
     VerifierFamily("llama", drafter_layer_type="llama", vllm_collects_aux=True),

@@ -27,8 +27,21 @@ NOT_A_RESULT = {"changes_results": False}
 # Schema metadata of a drafter option that decodes and never trains (DSpark's confidence threshold): it keys the
 # evaluation, and the training only where val.tau picks the final checkpoint (pipeline/paths.py).
 DECODING = {"decoding": True}
-# The chain's stages in order: the one list (pipeline/stages.py maps each to its function).
-STAGE_NAMES = ("prompts", "regenerate", "capture", "train", "evaluate", "export", "vllm_eval", "promote")
+
+
+# The chain's stages in order: the one list (pipeline/stages.py maps each to its function), a choice for `stages`.
+class Stage(StrEnum):
+    prompts = "prompts"
+    regenerate = "regenerate"
+    capture = "capture"
+    train = "train"
+    evaluate = "evaluate"
+    export = "export"
+    vllm_eval = "vllm_eval"
+    promote = "promote"
+
+
+STAGE_NAMES = tuple(stage.value for stage in Stage)
 
 
 # Choices. A StrEnum member equals its string ("muon" == Optimizer.muon) and hashes into content keys as that string.
@@ -108,6 +121,14 @@ class PromptSource(StrEnum):
     hub = "hub"
 
 
+class TinyFamily(StrEnum):
+    """Families a tiny random verifier is built of offline (pipeline/generation/tiny_verifier.py)."""
+
+    qwen3 = "qwen3"
+    qwen3_moe = "qwen3_moe"
+    gemma4 = "gemma4"
+
+
 class DistillTarget(StrEnum):
     """What a draft learns from the verifier (pipeline/losses/distill.py: distill_hidden_rows): its next-token
     "distribution" (soft cross-entropy, KL up to a constant) or its greedy token ("argmax": cross-entropy on it,
@@ -162,7 +183,7 @@ class VerifierConfig:
     end_of_turn_tokens: list[str] = field(default_factory=list)
     # A tiny random verifier of a seed family (qwen3 | qwen3_moe | gemma4), built offline once under cache_dir with
     # the family's real tokenizer (pipeline/generation/tiny_verifier.py); null: path or gguf_package.
-    tiny: Optional[str] = None
+    tiny: Optional[TinyFamily] = None
 
 
 @dataclass
@@ -584,4 +605,4 @@ class PipelineConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: str = "default"
     # Stages jobs/run_pipeline.py runs, in order.
-    stages: list[str] = field(default_factory=lambda: list(STAGE_NAMES))
+    stages: list[Stage] = field(default_factory=lambda: list(Stage))

@@ -157,7 +157,6 @@ OVERRIDES = [
     ("serving.model='runs:/0a1b/../..'", "serving.model: 'runs:/0a1b/../..': the path after the run id"),
     ("serving.model=runs:/0a1b//etc", "serving.model: 'runs:/0a1b//etc': the path after the run id"),
     ("serving.model=models:/m/latest", "serving.model: 'models:/m/latest' is not"),
-    ("stages=[prompts,nope]", "stages: unknown stage 'nope'; known: prompts, regenerate, capture, train, "),
     ("evaluation.datasets=[held_out,nope]", "evaluation.datasets: unknown eval set 'nope'; known: held_out, chat, "),
     ("stages=[train,prompts]", "stages: ['train', 'prompts'] must name each stage once, in the order ['prompts', "),
     ("stages=[prompts,prompts]", "stages: ['prompts', 'prompts'] must name each stage once"),
@@ -233,6 +232,9 @@ def test_a_bad_override_exits_2_before_the_first_stage(override, message, tmp_pa
     ("training.autocast_dtype=fp8", "training.autocast_dtype: 'fp8' is not one of [auto, bfloat16, float16]"),
     ("generation.compression=zstd", "generation.compression: 'zstd' is not one of [none, fp8]"),
     ("generation.overlength=wrap", "generation.overlength: 'wrap' is not one of [truncate, drop]"),
+    ("verifier.tiny=llama", "verifier.tiny: 'llama' is not one of [qwen3, qwen3_moe, gemma4]"),
+    ("stages=[prompts,nope]", "stages[1]: 'nope' is not one of [prompts, regenerate, capture, train, evaluate, export, "
+                              "vllm_eval, promote]"),
     ("generation.responses=copy", "generation.responses: 'copy' is not one of [regenerate, keep]"),
     ("generation.backend=sglang", "generation.backend: 'sglang' is not one of [hf, vllm]"),
     ("generation.capture_backend=sglang", "generation.capture_backend: 'sglang' is not one of [hf, vllm]"),
