@@ -81,7 +81,9 @@ def test_each_stage_time_is_a_metric_of_the_parent_run(store, monkeypatch, caplo
     parent, children = runs(cfg)
     metrics = parent.data.metrics
     assert set(metrics) >= {"time.prompts_s", "time.train_s", "time.total_s"}
-    assert 0.05 <= metrics["time.prompts_s"] < metrics["time.train_s"]
+    # Each stage's time covers at least its own work; comparing the two stages with each other failed under load,
+    # when the bookkeeping around the shorter stage outlasted the 0.1 s between them.
+    assert metrics["time.prompts_s"] >= 0.05 and metrics["time.train_s"] >= 0.15
     assert metrics["time.total_s"] == pytest.approx(metrics["time.prompts_s"] + metrics["time.train_s"])
     assert not any(key.startswith("time.") for child in children for key in child.data.metrics)
     assert "stage prompts done in" in caplog.text and "stage train done in" in caplog.text
